@@ -1,0 +1,287 @@
+"""Typed job configuration: dataclasses loaded from TOML, dotted CLI overrides, one validate().
+
+Every problem is reported before any model is built, with the dotted key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loom.models.audio import AudioConfig
+from loom.models.llm import LLMConfig
+from loom.models.vision import VisionConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+def choice(default, *allowed):
+    return field(default=default, metadata={"choices": allowed})
+
+
+@dataclass
+class ModelConfig:
+    encoders: list[str] = field(default_factory=lambda: ["vision", "audio"])
+    attention: str = choice("auto", "auto", "sdpa", "varlen")
+    language: LLMConfig = field(default_factory=LLMConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
+
+
+@dataclass
+class DataConfig:
+    tasks: list[str] = field(default_factory=lambda: ["digits", "shapes", "tones"])
+    train_size: int = 60000
+    heldout_size: int = 240
+    format: str = choice("thd", "thd", "bshd")  # packed (THD) or padded (BSHD) batches
+    pad_to_multiple: int = 1  # each sample's length is rounded up to this (2·cp·tp under CP + SP)
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    global_batch_size: int = 32
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr·min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    dtype: str = choice("fp32", "fp32", "bf16")  # bf16: autocast compute, fp32 master weights
+    device: str = choice("auto", "auto", "cpu", "cuda")
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
+    eval_max_new_tokens: int = 16
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    tensorboard: bool = True
+    progress: bool = True  # live progress bar; plain log lines when false or not a terminal
+    save_every: int = 0  # 0: save a checkpoint only at the end
+    resume: str = ""  # checkpoint folder to continue from
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Defaults ← TOML file ← `--a.b=value` overrides, then validate()."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(data, key, value)
+    cfg = from_dict(JobConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    """'--train.steps=50' → ('train.steps', 50); the value is read as a TOML literal, else kept as text."""
+    body = item[2:] if item.startswith("--") else item
+    if "=" not in body:
+        raise ConfigError(f"override {item!r} must look like --section.key=value")
+    key, raw = body.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _set_dotted(data: dict, key: str, value: object) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {p!r} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def from_dict(cls, data: dict, prefix: str):
+    """Builds dataclass `cls` from a dict, rejecting unknown keys and values of the wrong type."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{prefix.rstrip('.')}] must be a table, got {data!r}")
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(_unknown_key(prefix + key, key, list(fields)))
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = from_dict(typ, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_type(prefix + key, value, typ)
+    obj = cls(**kwargs)
+    for name, f in fields.items():
+        allowed = f.metadata.get("choices")
+        if allowed and getattr(obj, name) not in allowed:
+            raise ConfigError(f"{prefix}{name} = {getattr(obj, name)!r} is not allowed; choose one of {list(allowed)}")
+    return obj
+
+
+def _unknown_key(dotted: str, key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {dotted!r}{hint} allowed keys here: {sorted(allowed)}"
+
+
+def _check_type(key: str, value, typ):
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (types.UnionType, typing.Union):  # optional values such as `dict | None`
+        for option in args:
+            try:
+                return _check_type(key, value, option)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} = {value!r} has the wrong type; expected {typ}")
+    if typ is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key} = {value!r}: expected nothing")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r} must be a list, e.g. {key} = [...]")
+        return [_check_type(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is dict and isinstance(value, dict):
+        return value
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} = {value!r} must be of type {typ.__name__}, got {type(value).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need more than one field; raises ConfigError on the first problem."""
+    from loom.data.tasks import TASKS
+    from loom.data.tokenizer import ByteTokenizer
+
+    m, d, t = cfg.model, cfg.data, cfg.train
+    _positive(
+        {
+            "train.steps": t.steps,
+            "train.global_batch_size": t.global_batch_size,
+            "train.log_every": t.log_every,
+            "train.eval_max_new_tokens": t.eval_max_new_tokens,
+            "data.train_size": d.train_size,
+            "data.heldout_size": d.heldout_size,
+            "data.pad_to_multiple": d.pad_to_multiple,
+            "model.language.num_layers": m.language.num_layers,
+            "model.language.num_heads": m.language.num_heads,
+            "model.language.num_kv_heads": m.language.num_kv_heads,
+        }
+    )
+    _non_negative(
+        {
+            "train.lr": t.lr,
+            "train.warmup_steps": t.warmup_steps,
+            "train.weight_decay": t.weight_decay,
+            "train.grad_clip": t.grad_clip,
+            "train.eval_every": t.eval_every,
+            "run.save_every": cfg.run.save_every,
+        }
+    )
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must lie in [0, 1]")
+    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{key} = {beta} must lie in [0, 1)")
+    if t.global_batch_size > d.train_size:
+        raise ConfigError(f"train.global_batch_size = {t.global_batch_size} exceeds data.train_size = {d.train_size}")
+    for name in m.encoders:
+        if name not in ("vision", "audio"):
+            raise ConfigError(f"model.encoders contains {name!r}; allowed: ['vision', 'audio']")
+    for task in d.tasks:
+        if task not in TASKS:
+            raise ConfigError(f"data.tasks contains {task!r}; allowed: {list(TASKS)}")
+    needs = {"digits": "vision", "shapes": "vision", "tones": "audio"}
+    for task in d.tasks:
+        if needs[task] not in m.encoders:
+            raise ConfigError(
+                f"data.tasks contains {task!r}, which needs the {needs[task]} encoder, but model.encoders = "
+                f"{m.encoders}; add {needs[task]!r} to model.encoders or remove {task!r}"
+            )
+    if not d.tasks:
+        raise ConfigError("data.tasks is empty; choose from " + str(list(TASKS)))
+    _validate_language(m.language, ByteTokenizer().vocab_size)
+    for name in m.encoders:
+        enc = getattr(m, name)
+        if enc.hidden_size % enc.num_heads:
+            raise ConfigError(
+                f"model.{name}.hidden_size = {enc.hidden_size} is not divisible by "
+                f"model.{name}.num_heads = {enc.num_heads}"
+            )
+    if m.vision.position_grid < 1 or m.vision.patch_size < 1:
+        raise ConfigError("model.vision.patch_size and model.vision.position_grid must be ≥ 1")
+    if m.attention == "varlen" and (t.device == "cpu" or d.format != "thd"):
+        raise ConfigError(
+            "model.attention = 'varlen' runs only on CUDA with packed batches (data.format = 'thd'); "
+            "use model.attention = 'auto' to fall back to SDPA elsewhere"
+        )
+
+
+def _validate_language(lm: LLMConfig, tokenizer_vocab: int) -> None:
+    if lm.num_heads % lm.num_kv_heads:
+        raise ConfigError(
+            f"model.language.num_heads = {lm.num_heads} is not divisible by num_kv_heads = {lm.num_kv_heads} "
+            f"(grouped-query attention shares each KV head among an equal number of query heads)"
+        )
+    if not lm.head_dim and lm.hidden_size % lm.num_heads:
+        raise ConfigError(
+            f"model.language.hidden_size = {lm.hidden_size} is not divisible by num_heads = {lm.num_heads}; "
+            f"set model.language.head_dim explicitly"
+        )
+    if lm.dim_per_head % 2:
+        raise ConfigError(f"model.language head dim = {lm.dim_per_head} must be even for rotary embedding")
+    if lm.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.language.vocab_size = {lm.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids"
+        )
+
+
+def _positive(values: dict[str, float]) -> None:
+    for key, v in values.items():
+        if v <= 0:
+            raise ConfigError(f"{key} = {v} must be > 0")
+
+
+def _non_negative(values: dict[str, float]) -> None:
+    for key, v in values.items():
+        if v < 0:
+            raise ConfigError(f"{key} = {v} must be ≥ 0")

@@ -1,0 +1,79 @@
+"""A model-ready batch, the next-token label rule, and padded (BSHD) collation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from loom.data.sample import Sample
+from loom.models.attention import TokenLayout
+
+IGNORE_INDEX = -100
+MODALITIES = ("vision", "audio")
+
+
+@dataclass
+class Batch:
+    """Tokens of several samples, packed ([T]) or padded ([B, S]), with everything the model needs."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor  # next-token targets; IGNORE_INDEX where nothing is supervised
+    positions: torch.Tensor  # position of each token inside its own sample
+    layout: TokenLayout
+    modality_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # in placeholder order
+
+    @property
+    def num_supervised(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        lay = self.layout
+        layout = replace(
+            lay,
+            cu_seqlens=None if lay.cu_seqlens is None else lay.cu_seqlens.to(device),
+            pad_mask=None if lay.pad_mask is None else lay.pad_mask.to(device),
+        )
+        return Batch(
+            self.input_ids.to(device),
+            self.labels.to(device),
+            self.positions.to(device),
+            layout,
+            {k: [t.to(device) for t in v] for k, v in self.modality_inputs.items()},
+        )
+
+
+def shifted_labels(sample: Sample) -> list[int]:
+    """labels[i] = tokens[i+1] when that token is supervised, else IGNORE; the last token predicts nothing,
+    so a label never crosses into the next sample."""
+    toks, sup = sample.tokens, sample.supervised
+    return [toks[i + 1] if sup[i + 1] else IGNORE_INDEX for i in range(len(toks) - 1)] + [IGNORE_INDEX]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def gather_modality_inputs(samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
+    """Every sample's modality items, sample after sample: the order their placeholders appear in."""
+    return {
+        "vision": [img for s in samples for img in s.images],
+        "audio": [clip for s in samples for clip in s.audio],
+    }
+
+
+def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backend: str = "auto") -> Batch:
+    """BSHD: one row per sample, right-padded to the longest sample rounded up to `multiple_of`."""
+    if not samples:
+        raise ValueError("pad_samples: no samples to collate")
+    seq = round_up(max(len(s) for s in samples), multiple_of)
+    ids = torch.full((len(samples), seq), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), seq), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(samples), seq), dtype=torch.bool)
+    for row, s in enumerate(samples):
+        n = len(s)
+        ids[row, :n] = torch.tensor(s.tokens)
+        labels[row, :n] = torch.tensor(shifted_labels(s))
+        mask[row, :n] = True
+    positions = torch.arange(seq).expand(len(samples), seq).clone()
+    return Batch(ids, labels, positions, TokenLayout.from_pad_mask(mask, backend), gather_modality_inputs(samples))

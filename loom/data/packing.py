@@ -1,0 +1,64 @@
+"""Sequence packing (THD): variable-length samples concatenated into one token stream.
+
+Invariants (each one tested):
+- `cu_seqlens` holds the offset of every sample; attention never crosses one.
+- positions restart at 0 in every sample (RoPE sees each sample as if alone).
+- labels are shifted inside each sample; a sample's last token and all padding predict nothing (-100).
+- each sample is padded to a multiple of `multiple_of` (2·cp, ·tp under sequence parallel), the padding
+  belonging to that sample, so every later shard of a sample has equal length.
+- with `pack_len`, a final padding segment fills the pack to exactly that length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.data.batch import IGNORE_INDEX, Batch, gather_modality_inputs, round_up, shifted_labels
+from loom.data.sample import Sample
+from loom.models.attention import TokenLayout
+
+
+def packed_length(samples: list[Sample], multiple_of: int = 1) -> int:
+    return sum(round_up(len(s), multiple_of) for s in samples)
+
+
+def pack_samples(
+    samples: list[Sample],
+    pad_id: int,
+    multiple_of: int = 1,
+    pack_len: int | None = None,
+    backend: str = "auto",
+) -> Batch:
+    if not samples:
+        raise ValueError("pack_samples: no samples to pack")
+    ids, labels, positions, lengths = [], [], [], []
+    for s in samples:
+        if len(s) == 0:
+            raise ValueError("pack_samples: a sample has no tokens")
+        n, padded = len(s), round_up(len(s), multiple_of)
+        ids += s.tokens + [pad_id] * (padded - n)
+        labels += shifted_labels(s) + [IGNORE_INDEX] * (padded - n)
+        positions += list(range(padded))
+        lengths.append(padded)
+    total = len(ids)
+    if pack_len is not None:
+        if total > pack_len:
+            raise ValueError(
+                f"pack_samples: {len(samples)} samples need {total} tokens (each padded to a multiple of "
+                f"{multiple_of}) but pack_len is {pack_len}"
+            )
+        if pack_len % multiple_of:
+            raise ValueError(f"pack_samples: pack_len={pack_len} is not a multiple of {multiple_of}")
+        fill = pack_len - total
+        if fill:  # a segment of its own, so the filler attends only to itself
+            ids += [pad_id] * fill
+            labels += [IGNORE_INDEX] * fill
+            positions += list(range(fill))
+            lengths.append(fill)
+    return Batch(
+        torch.tensor(ids, dtype=torch.long),
+        torch.tensor(labels, dtype=torch.long),
+        torch.tensor(positions, dtype=torch.long),
+        TokenLayout.from_lengths(lengths, backend=backend),
+        gather_modality_inputs(samples),
+    )

@@ -1,0 +1,134 @@
+"""Attention backends behind one interface: padded (BSHD) and packed (THD) token layouts.
+
+Every module calls `attend(q, k, v, layout, causal)`. The layout says how tokens are arranged:
+- padded: q/k/v are [batch, seq, heads, dim] and `pad_mask` [batch, seq] marks real tokens;
+- packed: q/k/v are [tokens, heads, dim] and `cu_seqlens` [n+1] holds the sample offsets; attention
+  never crosses a sample boundary.
+Keys/values may have fewer heads than queries (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "varlen")
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How the tokens of one batch are arranged; built once per batch, shared by every layer."""
+
+    cu_seqlens: torch.Tensor | None = None  # packed: int32 [n_samples + 1]
+    max_seqlen: int = 0
+    pad_mask: torch.Tensor | None = None  # padded: bool [batch, seq], True at real tokens
+    backend: str = "auto"
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @staticmethod
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, backend: str = "auto") -> TokenLayout:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        return TokenLayout(cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max_len, backend=backend)
+
+    @staticmethod
+    def from_lengths(lengths: list[int], device: torch.device | str = "cpu", backend: str = "auto") -> TokenLayout:
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+        return TokenLayout.from_cu_seqlens(cu.to(device), backend)
+
+    @staticmethod
+    def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenLayout:
+        return TokenLayout(pad_mask=pad_mask.bool(), max_seqlen=pad_mask.shape[1], backend=backend)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, causal: bool) -> torch.Tensor:
+    """Scaled dot-product attention; returns a tensor shaped like `q`."""
+    if layout.packed:
+        if _use_varlen(layout.backend, q):
+            return _varlen(q, k, v, layout, causal)
+        return _packed_sdpa(q, k, v, layout, causal)
+    return _padded_sdpa(q, k, v, layout, causal)
+
+
+def varlen_available() -> bool:
+    return _varlen_fn() is not None and torch.cuda.is_available()
+
+
+def _use_varlen(backend: str, q: torch.Tensor) -> bool:
+    if backend == "sdpa":
+        return False
+    usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None
+    if backend == "varlen" and not usable:
+        raise RuntimeError(
+            f"attention backend 'varlen' needs a CUDA device, bf16/fp16 inputs and "
+            f"torch.nn.attention.varlen (got device={q.device}, dtype={q.dtype}); use backend='sdpa' or 'auto'"
+        )
+    return usable
+
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
+    fn = _varlen_fn()
+    params = inspect.signature(fn).parameters
+    kwargs = {}
+    # torch 2.11 takes is_causal; later releases express causality as window_size=(-1, 0)
+    if "is_causal" in params:
+        kwargs["is_causal"] = causal
+    elif causal:
+        kwargs["window_size"] = (-1, 0)
+    if k.shape[-2] != q.shape[-2]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, q.shape[-2]), _repeat_kv(v, q.shape[-2])
+    cu, n = layout.cu_seqlens, layout.max_seqlen
+    return fn(q, k, v, cu, cu, n, n, **kwargs)
+
+
+def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(n_heads // x.shape[-2], dim=-2)
+
+
+def _sdpa(q, k, v, mask=None, causal=False) -> torch.Tensor:
+    """SDPA over [batch, heads, seq, dim]; expands grouped K/V heads first (works on every device)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+
+
+def _padded_sdpa(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
+    mask = None
+    if layout.pad_mask is not None:
+        seq = q.shape[2]
+        mask = layout.pad_mask[:, None, None, :]  # keys that are real
+        if causal:
+            mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    return _sdpa(q, k, v, mask, causal).transpose(1, 2)
+
+
+def _packed_sdpa(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
+    # One SDPA call per sample: exact, memory O(max_seqlen²) rather than O(tokens²) for a block mask.
+    # FlexAttention has no CPU backward and varlen_attn is GPU-only, so this is the CPU path.
+    bounds = layout.cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            outs.append(_sdpa(qs, ks, vs, causal=causal).squeeze(0).transpose(0, 1))
+    return torch.cat(outs) if outs else q[:0]

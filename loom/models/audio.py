@@ -1,0 +1,75 @@
+"""Whisper-style audio encoder: two 1-D convolutions (the second halves the frame rate), fixed
+sinusoidal positions, pre-norm transformer layers. Clips of different lengths give different frame counts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loom.models.attention import TokenLayout
+from loom.models.encoder_layer import EncoderLayer
+
+
+@dataclass
+class AudioConfig:
+    num_features: int = 32  # mel bins of the input features
+    hidden_size: int = 96
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    layer_norm_eps: float = 1e-5
+    max_positions: int = 1500  # frames after subsampling
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's fixed position table: sines then cosines over log-spaced timescales."""
+    increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-increment * torch.arange(channels // 2))
+    scaled = torch.arange(length)[:, None] * inv_timescales[None, :]
+    return torch.cat([scaled.sin(), scaled.cos()], dim=1)
+
+
+class AudioEncoder(nn.Module):
+    def __init__(self, cfg: AudioConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.conv1 = nn.Conv1d(cfg.num_features, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        # fixed, not trained: a buffer keeps it out of the optimizer and of gradient reduction
+        self.register_buffer("embed_positions", sinusoids(cfg.max_positions, d))
+        self.layers = nn.ModuleList(
+            EncoderLayer(d, cfg.num_heads, cfg.intermediate_size, cfg.layer_norm_eps, key_bias=False)
+            for _ in range(cfg.num_layers)
+        )
+        self.layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg.hidden_size
+
+    def num_tokens(self, clip: torch.Tensor) -> int:
+        return (clip.shape[-1] + 1) // 2  # conv2: kernel 3, stride 2, padding 1
+
+    def forward(self, clips: list[torch.Tensor]) -> torch.Tensor:
+        """clips: each [num_features, frames] → [sum of subsampled frames, hidden], clip after clip."""
+        frames = [self._embed(c) for c in clips]
+        layout = TokenLayout.from_lengths([f.shape[0] for f in frames], device=frames[0].device)
+        h = torch.cat(frames)
+        for layer in self.layers:
+            h = layer(h, layout)
+        return self.layer_norm(h)
+
+    def _embed(self, clip: torch.Tensor) -> torch.Tensor:
+        x = clip.unsqueeze(0).to(self.conv1.weight.dtype)
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x))))[0].transpose(0, 1)  # [frames/2, d]
+        if x.shape[0] > self.cfg.max_positions:
+            raise ValueError(
+                f"audio: clip gives {x.shape[0]} frames after subsampling, more than "
+                f"model.audio.max_positions={self.cfg.max_positions}; shorten the clip or raise max_positions"
+            )
+        return x + self.embed_positions[: x.shape[0]].to(x.dtype)

@@ -1,0 +1,38 @@
+"""Pre-norm bidirectional transformer layer shared by the vision (SigLIP/ViT) and audio (Whisper) encoders."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from loom.models.attention import TokenLayout, attend
+from loom.models.layers import GeluMLP
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, key_bias: bool = True) -> None:
+        super().__init__()
+        self.head_dim = dim // num_heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim, bias=key_bias)  # Whisper's key projection has no bias
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(attend(q, k, v, layout, causal=False).flatten(-2))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(
+        self, dim: int, num_heads: int, mlp_dim: int, eps: float, act: str = "none", key_bias: bool = True
+    ) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
+        self.self_attn = EncoderAttention(dim, num_heads, key_bias)
+        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = GeluMLP(dim, mlp_dim, approximate=act)
+
+    def forward(self, h: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        h = h + self.self_attn(self.layer_norm1(h), layout)
+        return h + self.mlp(self.layer_norm2(h))

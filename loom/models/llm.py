@@ -1,0 +1,110 @@
+"""Decoder LLM of the Llama / Qwen2 / Qwen3 family, numerically the same architecture as their checkpoints.
+
+Parameter names follow the Hugging Face layout (`layers.N.self_attn.q_proj`, ...) so weights map one to one.
+Layers live in a ModuleDict keyed by their index: a pipeline stage can drop layers and keep the names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from loom.models.attention import TokenLayout, attend
+from loom.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
+
+
+@dataclass
+class LLMConfig:
+    vocab_size: int = 320
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    intermediate_size: int = 384
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # as in HF configs: {"rope_type": "llama3", "factor": 8.0, ...}
+    tie_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head before RoPE
+    init_std: float = 0.02
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        d = cfg.dim_per_head
+        self.head_dim = d
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: TokenLayout) -> torch.Tensor:
+        # heads inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = attend(q, k, v, layout, causal=True)
+        return self.o_proj(out.flatten(-2))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: TokenLayout) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, layout)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLM(nn.Module):
+    """Token embedding → decoder layers → final norm → LM head. Each part may be absent on a PP stage."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=self.cfg.init_std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """Runs the decoder layers on embeddings `h` ([tokens, hidden] packed or [batch, seq, hidden] padded)."""
+        rope = self.rotary(positions, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, layout)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))

@@ -1,0 +1,82 @@
+"""The multimodal model: modality encoders (each with its projector) feeding a decoder LLM.
+
+Each top-level child is one *module* in loom's sense (`vision`, `audio`, `language`) and later gets its own
+parallel layout; the step driver may therefore call `encode`, `merge` and the LLM separately.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from loom.models.audio import AudioConfig, AudioEncoder
+from loom.models.llm import DecoderLM, LLMConfig
+from loom.models.projector import Projector
+from loom.models.vision import VisionConfig, VisionEncoder
+
+
+class ModalityEncoder(nn.Module):
+    """An encoder and its projector: inputs of one modality → [tokens, llm_hidden]."""
+
+    def __init__(self, encoder: nn.Module, llm_hidden: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.projector = Projector(encoder.out_dim, llm_hidden)
+
+    def num_tokens(self, item: torch.Tensor) -> int:
+        return self.encoder.num_tokens(item)
+
+    def forward(self, items: list[torch.Tensor]) -> torch.Tensor:
+        return self.projector(self.encoder(items))
+
+
+class MultimodalModel(nn.Module):
+    def __init__(self, language: DecoderLM, encoders: dict[str, ModalityEncoder], placeholder_ids: dict[str, int]):
+        super().__init__()
+        self.language = language
+        for name, enc in encoders.items():
+            self.add_module(name, enc)
+        self.encoder_names = tuple(encoders)
+        self.placeholder_ids = {n: placeholder_ids[n] for n in encoders}
+
+    def encoder(self, name: str) -> ModalityEncoder:
+        return self.get_submodule(name)
+
+    def encode(self, modality_inputs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Runs every encoder that has inputs in this batch."""
+        return {n: self.encoder(n)(items) for n, items in modality_inputs.items() if items}
+
+    def merge(self, input_ids: torch.Tensor, modality_embeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Text embeddings with each modality's placeholder positions replaced, in order, by its embeddings."""
+        h = self.language.embed(input_ids)
+        for name, emb in modality_embeds.items():
+            mask = input_ids == self.placeholder_ids[name]
+            n_slots = int(mask.sum())
+            if n_slots != emb.shape[0]:
+                raise ValueError(
+                    f"{name}: the batch has {n_slots} placeholder tokens but the encoder produced "
+                    f"{emb.shape[0]} embeddings; each sample needs one placeholder per encoder output token"
+                )
+            h = h.masked_scatter(mask.unsqueeze(-1), emb.to(h.dtype))
+        return h
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layout, modality_inputs: dict[str, list[torch.Tensor]]
+    ) -> torch.Tensor:
+        """Logits for every token of a packed or padded batch."""
+        h = self.merge(input_ids, self.encode(modality_inputs))
+        return self.language.head(self.language(h, positions, layout))
+
+
+def build_model(
+    language: LLMConfig,
+    vision: VisionConfig | None,
+    audio: AudioConfig | None,
+    placeholder_ids: dict[str, int],
+) -> MultimodalModel:
+    encoders = {}
+    if vision is not None:
+        encoders["vision"] = ModalityEncoder(VisionEncoder(vision), language.hidden_size)
+    if audio is not None:
+        encoders["audio"] = ModalityEncoder(AudioEncoder(audio), language.hidden_size)
+    return MultimodalModel(DecoderLM(language), encoders, placeholder_ids)

@@ -1,0 +1,73 @@
+"""ViT vision encoder in the SigLIP layout; images of different sizes give different numbers of patches.
+
+The patches of all images of a batch are packed into one [patches, hidden] stream and attention stays
+inside each image (THD with one segment per image), so no image is padded to the largest one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loom.models.attention import TokenLayout
+from loom.models.encoder_layer import EncoderLayer
+
+
+@dataclass
+class VisionConfig:
+    channels: int = 3
+    patch_size: int = 4
+    hidden_size: int = 96
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    layer_norm_eps: float = 1e-6
+    position_grid: int = 8  # learned positions for a grid×grid patch image, interpolated for other sizes
+    act: str = "tanh"  # gelu approximation: "tanh" (SigLIP) or "none"
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embedding = nn.Conv2d(cfg.channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)
+        self.position_embedding = nn.Embedding(cfg.position_grid**2, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            EncoderLayer(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.layer_norm_eps, cfg.act)
+            for _ in range(cfg.num_layers)
+        )
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg.hidden_size
+
+    def num_tokens(self, image: torch.Tensor) -> int:
+        return (image.shape[-2] // self.cfg.patch_size) * (image.shape[-1] // self.cfg.patch_size)
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """images: each [channels, H, W] → patch features [sum of patches, hidden], image after image."""
+        patches = [self._embed(img) for img in images]
+        layout = TokenLayout.from_lengths([p.shape[0] for p in patches], device=patches[0].device)
+        h = torch.cat(patches)
+        for layer in self.layers:
+            h = layer(h, layout)
+        return self.post_layernorm(h)
+
+    def _embed(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(image.unsqueeze(0).to(self.patch_embedding.weight.dtype))  # [1, D, h, w]
+        h, w = x.shape[-2:]
+        return x.flatten(2).transpose(1, 2)[0] + self._positions(h, w)
+
+    def _positions(self, h: int, w: int) -> torch.Tensor:
+        g = self.cfg.position_grid
+        table = self.position_embedding.weight
+        if (h, w) == (g, g):
+            return table
+        # SigLIP-style bicubic interpolation of the learned grid to this image's patch grid
+        grid = table.reshape(1, g, g, -1).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)
+        return grid.permute(0, 2, 3, 1).reshape(h * w, -1)

@@ -1,0 +1,70 @@
+"""Single-process checkpoint: weights and optimizer state as safetensors, progress as JSON (nothing pickled).
+
+Layout of a checkpoint folder:
+  model.safetensors      parameters and persistent buffers, tied weights stored once
+  optimizer.safetensors  AdamW moments keyed by parameter name ("<name>.exp_avg", ...)
+  state.json             step and config (the lr is a function of the step)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict without the second name of a shared (tied) tensor; safetensors refuses aliases."""
+    seen, out = set(), {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict):
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(unique_state_dict(model), path / "model.safetensors")
+    save_file(_optimizer_tensors(model, optimizer), path / "optimizer.safetensors")
+    (path / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2, default=str))
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Loads weights (and optimizer moments) in place; returns state.json. Every missing or unexpected
+    tensor is an error that names it."""
+    path = Path(path)
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path} is not a loom checkpoint (no model.safetensors)")
+    weights = load_file(path / "model.safetensors")
+    expected = set(unique_state_dict(model))
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    model.load_state_dict(weights, strict=False)  # tied aliases are filled through their first name
+    if optimizer is not None:
+        _load_optimizer_tensors(model, optimizer, load_file(path / "optimizer.safetensors"))
+    return json.loads((path / "state.json").read_text())
+
+
+def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        for key, value in optimizer.state.get(p, {}).items():
+            out[f"{name}.{key}"] = torch.as_tensor(value).detach().contiguous()
+    return out
+
+
+def _load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict) -> None:
+    for name, p in model.named_parameters():
+        state = {k: tensors[f"{name}.{k}"].to(p.device) for k in OPTIMIZER_KEYS if f"{name}.{k}" in tensors}
+        if state:
+            optimizer.state[p] = state
+

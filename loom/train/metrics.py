@@ -1,0 +1,60 @@
+"""What a user watches: a live progress bar (or plain lines), TensorBoard scalars, and metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, total_steps: int, tensorboard: bool, progress: bool) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console(stderr=True)
+        self._jsonl = (self.out_dir / "metrics.jsonl").open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self._bar = None
+        if progress and sys.stderr.isatty():
+            self._bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._bar.add_task("train", total=total_steps, status="")
+            self._bar.start()
+
+    def log(self, step: int, values: dict[str, float], kind: str = "train") -> None:
+        self._jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def progress(self, step: int, status: str, print_line: bool) -> None:
+        """Advances the bar; without a bar, prints the status line when asked to."""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, status=status)
+        elif print_line:
+            self.console.print(f"step {step}  {status}", highlight=False, markup=False)
+
+    def print(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._jsonl.close()
