@@ -47,7 +47,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
+    steps: int = 600
     global_batch_size: int = 32
     lr: float = 2e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr·min_lr_ratio

@@ -1,0 +1,158 @@
+"""Shared tiny fixtures: model configs small enough for a 2-core CPU, and random multimodal samples.
+
+Samples are built by hand here (not through loom.data.format) so the tests of packing and attention do
+not depend on the code that turns task examples into tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.data.sample import Sample
+from loom.data.tokenizer import ByteTokenizer
+from loom.models.audio import AudioConfig
+from loom.models.llm import LLMConfig
+from loom.models.multimodal import MultimodalModel, build_model
+from loom.models.vision import VisionConfig
+
+PATCH = 4
+N_MELS = 16
+
+
+def tiny_llm_config() -> LLMConfig:
+    return LLMConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=264)
+
+
+def tiny_vision_config() -> VisionConfig:
+    return VisionConfig(
+        patch_size=PATCH, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, position_grid=4
+    )
+
+
+def tiny_audio_config() -> AudioConfig:
+    return AudioConfig(num_features=N_MELS, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
+                       max_positions=64)
+
+
+# the same tiny model as dotted overrides, for load_config / Trainer / the CLI
+TINY_MODEL_OVERRIDES = [
+    "--model.language.hidden_size=32",
+    "--model.language.num_layers=2",
+    "--model.language.num_heads=4",
+    "--model.language.num_kv_heads=2",
+    "--model.language.intermediate_size=64",
+    "--model.language.vocab_size=264",
+    f"--model.vision.patch_size={PATCH}",
+    "--model.vision.hidden_size=32",
+    "--model.vision.num_layers=1",
+    "--model.vision.num_heads=4",
+    "--model.vision.intermediate_size=64",
+    "--model.vision.position_grid=4",
+    f"--model.audio.num_features={N_MELS}",
+    "--model.audio.hidden_size=32",
+    "--model.audio.num_layers=1",
+    "--model.audio.num_heads=4",
+    "--model.audio.intermediate_size=64",
+    "--model.audio.max_positions=64",
+]
+
+
+def tiny_job_overrides(out_dir: str | Path, *extra: str) -> list[str]:
+    """Overrides for a quick tiny training job writing into `out_dir`."""
+    return [
+        *TINY_MODEL_OVERRIDES,
+        "--data.train_size=64",
+        "--data.heldout_size=3",
+        "--train.global_batch_size=4",
+        "--train.steps=5",
+        "--train.warmup_steps=2",
+        "--train.eval_max_new_tokens=2",
+        "--train.device=cpu",
+        "--run.tensorboard=false",
+        "--run.progress=false",
+        f"--run.out_dir={out_dir}",
+        *extra,
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+    yield
+
+
+@pytest.fixture
+def tok() -> ByteTokenizer:
+    return ByteTokenizer()
+
+
+@pytest.fixture
+def tiny_model(tok) -> MultimodalModel:
+    torch.manual_seed(0)
+    model = build_model(tiny_llm_config(), tiny_vision_config(), tiny_audio_config(), tok.placeholder_ids)
+    return model.eval()
+
+
+def sharpen(model: torch.nn.Module, std: float = 0.25, seed: int = 0) -> torch.nn.Module:
+    """Re-draws every weight matrix with a larger std so attention patterns are far from uniform; a wrong
+    mask or position then moves the logits by much more than the test tolerance."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+@dataclass
+class Spec:
+    """One sample to build: image sizes (H, W), audio clip frame counts, text lengths."""
+
+    images: list[tuple[int, int]] = field(default_factory=list)
+    audio: list[int] = field(default_factory=list)
+    prompt_len: int = 3
+    answer_len: int = 4  # answer bytes; <eos> follows, so answer_len + 1 supervised tokens
+    bos: bool = True
+    eos: bool = True
+
+
+def make_sample(spec: Spec, model: MultimodalModel, tok: ByteTokenizer, g: torch.Generator | None = None) -> Sample:
+    """tokens: [<bos>] + placeholders for each image then each clip + prompt bytes + answer bytes + <eos>;
+    the number of placeholders per item is what the model's encoder emits for it."""
+    images = [torch.randn(3, h, w, generator=g) for h, w in spec.images]
+    audio = [torch.randn(N_MELS, n, generator=g) for n in spec.audio]
+    prompt = [tok.bos_id] if spec.bos else []
+    for img in images:
+        prompt += [tok.placeholder_ids["vision"]] * model.encoder("vision").num_tokens(img)
+    for clip in audio:
+        prompt += [tok.placeholder_ids["audio"]] * model.encoder("audio").num_tokens(clip)
+    prompt += torch.randint(0, 256, (spec.prompt_len,), generator=g).tolist()
+    answer = torch.randint(0, 256, (spec.answer_len,), generator=g).tolist() + ([tok.eos_id] if spec.eos else [])
+    return Sample(prompt + answer, [False] * len(prompt) + [True] * len(answer), images, audio, task="random")
+
+
+# a mix with images of different sizes (all patch multiples, not square), clips of different lengths,
+# a text-only sample and a very short one
+MIXED_SPECS = [
+    Spec(images=[(8, 12)], prompt_len=2, answer_len=3),
+    Spec(audio=[9], prompt_len=4, answer_len=2),
+    Spec(prompt_len=5, answer_len=6),
+    Spec(images=[(16, 4), (4, 8)], audio=[14], prompt_len=1, answer_len=4),
+    Spec(prompt_len=0, answer_len=0, eos=False),  # just <bos>: a sample of length 1
+    Spec(images=[(12, 12)], audio=[5], prompt_len=3, answer_len=1),
+]
+
+
+@pytest.fixture
+def mixed_samples(tiny_model, tok) -> list[Sample]:
+    g = torch.Generator().manual_seed(7)
+    return [make_sample(s, tiny_model, tok, g) for s in MIXED_SPECS]
+
+
+def text_sample(tokens: list[int], n_prompt: int) -> Sample:
+    """A text-only sample whose first `n_prompt` tokens are the prompt."""
+    return Sample(list(tokens), [False] * n_prompt + [True] * (len(tokens) - n_prompt), [], [])
