@@ -49,12 +49,16 @@ class MetricsLogger:
         elif print_line:
             self.console.print(f"step {step}  {status}", highlight=False, markup=False)
 
+    def finish_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
     def print(self, text: str) -> None:
         self.console.print(text, highlight=False, markup=False)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+        self.finish_progress()
         if self._tb is not None:
             self._tb.close()
         self._jsonl.close()

@@ -119,6 +119,8 @@ class Trainer:
                     log.log(self.step, self.evaluate(), kind="heldout")
                 if cfg.run.save_every and self.step % cfg.run.save_every == 0:
                     self.save(out / f"step-{self.step}")
+            log.finish_progress()
+            log.print(f"evaluating on {len(self.heldout)} held-out examples …")
             final = self.evaluate()
             log.log(self.step, final, kind="heldout")
             self.save(out / "final")
