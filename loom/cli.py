@@ -1,8 +1,9 @@
-"""Command line: `loom train [CONFIG] [--section.key=value ...]`."""
+"""Command line: `loom train|plan [CONFIG] [--section.key=value ...]`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from loom.config import ConfigError, load_config
@@ -13,13 +14,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (defaults: the tiny vision+audio+text model on CPU)")
     train.add_argument("config", nargs="?", help="TOML job config; omitted: built-in defaults")
+    plan = sub.add_parser("plan", help="print the rank map of a config and draw it as a PNG (starts no process)")
+    plan.add_argument("config", nargs="?", help="TOML job config")
+    plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
+    plan.add_argument("--png", default=None, help="where to write the picture (default: <config name>.plan.png)")
     args, extra = parser.parse_known_args(argv)
     overrides = _join_space_separated(extra)
     bad = [o for o in overrides if not o.startswith("--")]
     if bad:
         parser.error(f"unexpected arguments {bad}; overrides look like --train.steps=50")
+    world_size = args.world_size if args.command == "plan" else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, world_size)
+        if args.command == "plan":
+            return _plan(cfg, args)
     except ConfigError as e:
         print(f"loom: config error: {e}", file=sys.stderr)
         return 2
@@ -27,6 +35,21 @@ def main(argv: list[str] | None = None) -> int:
         from loom.train.trainer import Trainer
 
         Trainer(cfg).run()
+    return 0
+
+
+def _plan(cfg, args) -> int:
+    from loom.topology import Topology
+    from loom.topology.plan import draw_plan, print_plan
+
+    world = args.world_size or cfg.layout.world_size
+    if not world:
+        raise ConfigError("loom plan needs a world size: set layout.world_size in the config or pass --world-size N")
+    topo = Topology.plan(cfg, world)
+    print_plan(topo)
+    stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
+    png = draw_plan(topo, args.png or f"{stem}.plan.png")
+    print(f"picture: {png}")
     return 0
 
 

@@ -74,7 +74,27 @@ class RunConfig:
 
 
 @dataclass
+class ModuleLayoutConfig:
+    """[layout.<module>]: how one module is split. dp = 0 derives it: len(ranks) / (tp·cp·pp)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 0
+    ranks: str = ""  # "first-last"; empty: the language model's ranks (colocated), for it the whole world
+
+
+@dataclass
+class LayoutConfig:
+    world_size: int = 0  # 0: taken from the launcher (WORLD_SIZE)
+    vision: ModuleLayoutConfig | None = None  # not listed: same ranks as the LLM, data parallel only
+    audio: ModuleLayoutConfig | None = None
+    language: ModuleLayoutConfig | None = None
+
+
+@dataclass
 class JobConfig:
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -87,8 +107,11 @@ class JobConfig:
 # ---------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """Defaults ← TOML file ← `--a.b=value` overrides, then validate()."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
+) -> JobConfig:
+    """Defaults ← TOML file ← `--a.b=value` overrides, then validate() (layouts too when the world size is
+    known, from the argument or layout.world_size)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -102,7 +125,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(item)
         _set_dotted(data, key, value)
     cfg = from_dict(JobConfig, data, "")
-    validate(cfg)
+    validate(cfg, world_size)
     return cfg
 
 
@@ -139,7 +162,7 @@ def from_dict(cls, data: dict, prefix: str):
     for key, value in data.items():
         if key not in fields:
             raise ConfigError(_unknown_key(prefix + key, key, list(fields)))
-        typ = hints[key]
+        typ = _optional_dataclass(hints[key]) or hints[key]
         if dataclasses.is_dataclass(typ):
             kwargs[key] = from_dict(typ, value, f"{prefix}{key}.")
         else:
@@ -150,6 +173,14 @@ def from_dict(cls, data: dict, prefix: str):
         if allowed and getattr(obj, name) not in allowed:
             raise ConfigError(f"{prefix}{name} = {getattr(obj, name)!r} is not allowed; choose one of {list(allowed)}")
     return obj
+
+
+def _optional_dataclass(typ):
+    """`X | None` with X a dataclass → X (a table that may be absent); anything else → None."""
+    if typing.get_origin(typ) in (types.UnionType, typing.Union):
+        classes = [a for a in typing.get_args(typ) if dataclasses.is_dataclass(a)]
+        return classes[0] if classes else None
+    return None
 
 
 def _unknown_key(dotted: str, key: str, allowed: list[str]) -> str:
@@ -187,10 +218,12 @@ def _check_type(key: str, value, typ):
 # ---------------------------------------------------------------- validation
 
 
-def validate(cfg: JobConfig) -> None:
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Checks that need more than one field; raises ConfigError on the first problem."""
     from loom.data.tasks import TASKS
     from loom.data.tokenizer import ByteTokenizer
+    from loom.topology.checks import check_placement
+    from loom.topology.layout import resolve_placement
 
     m, d, t = cfg.model, cfg.data, cfg.train
     _positive(
@@ -254,6 +287,12 @@ def validate(cfg: JobConfig) -> None:
             "model.attention = 'varlen' runs only on CUDA with packed batches (data.format = 'thd'); "
             "use model.attention = 'auto' to fall back to SDPA elsewhere"
         )
+    declared = cfg.layout.world_size
+    if declared and world_size and declared != world_size:
+        raise ConfigError(f"layout.world_size = {declared} but the launcher started {world_size} ranks")
+    world = world_size or declared
+    if world:
+        check_placement(resolve_placement(cfg, world), cfg)
 
 
 def _validate_language(lm: LLMConfig, tokenizer_vocab: int) -> None:

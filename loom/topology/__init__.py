@@ -1,0 +1,44 @@
+"""Which ranks hold which module, and which group each rank talks to — answered once, as data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from loom.config import JobConfig
+from loom.topology.checks import check_placement
+from loom.topology.grid import Grid, GroupRegistry
+from loom.topology.layout import DIMS, Layout, Placement, resolve_placement
+from loom.topology.role import Role, Stage, role_of
+
+__all__ = ["DIMS", "Grid", "GroupRegistry", "Layout", "Placement", "Role", "Stage", "Topology"]
+
+
+@dataclass
+class Topology:
+    placement: Placement
+    grids: dict[str, Grid]
+    registry: GroupRegistry | None = None
+
+    @staticmethod
+    def plan(cfg: JobConfig, world_size: int) -> Topology:
+        """Layouts and grids only, no process group: for `loom plan` and for checks."""
+        placement = resolve_placement(cfg, world_size)
+        check_placement(placement, cfg)
+        return Topology(placement, {name: Grid(lay) for name, lay in placement.layouts.items()})
+
+    @staticmethod
+    def build(cfg: JobConfig) -> Topology:
+        """Inside an initialised process group: every rank creates every group, in the same order."""
+        topo = Topology.plan(cfg, dist.get_world_size())
+        topo.registry = GroupRegistry()
+        topo.registry.build(list(topo.grids.values()))
+        return topo
+
+    def role(self, rank: int | None = None) -> Role:
+        return role_of(dist.get_rank() if rank is None else rank, self.grids)
+
+    def destroy(self) -> None:
+        if self.registry is not None:
+            self.registry.destroy()

@@ -1,0 +1,71 @@
+"""Model-dependent layout checks: every degree must split the module it is applied to.
+
+Run on every rank before any group or model is built, so a bad config fails everywhere at once
+instead of deadlocking the ranks that passed.
+"""
+
+from __future__ import annotations
+
+from loom.config import ConfigError, JobConfig
+from loom.topology.layout import Layout, Placement
+
+
+def check_placement(placement: Placement, cfg: JobConfig) -> None:
+    for name, lay in placement.layouts.items():
+        if name == "language":
+            _check_language(lay, cfg)
+        else:
+            _check_encoder(lay, cfg)
+        batch = cfg.train.global_batch_size
+        if batch % lay.dp:
+            raise ConfigError(
+                f"{name}: train.global_batch_size = {batch} is not divisible by its dp = {lay.dp}; "
+                f"use a multiple of {lay.dp}"
+            )
+
+
+def _check_language(lay: Layout, cfg: JobConfig) -> None:
+    lm = cfg.model.language
+    _divides(lay, "tp", {"num_heads": lm.num_heads, "num_kv_heads": lm.num_kv_heads,
+                         "intermediate_size": lm.intermediate_size, "vocab_size": lm.vocab_size}, "model.language")
+    if lm.num_layers < lay.pp:
+        raise ConfigError(
+            f"language: pp = {lay.pp} exceeds model.language.num_layers = {lm.num_layers}; every pipeline stage "
+            f"needs at least one layer"
+        )
+    if lay.cp > 1:
+        factor = 2 * lay.cp
+        if cfg.data.pad_to_multiple % factor:
+            raise ConfigError(
+                f"language: cp = {lay.cp} splits each sample into 2·cp = {factor} chunks, but "
+                f"data.pad_to_multiple = {cfg.data.pad_to_multiple} is not a multiple of {factor}; "
+                f"set data.pad_to_multiple = {factor * lay.tp}"
+            )
+
+
+def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
+    name = lay.module
+    enc = getattr(cfg.model, name)
+    if lay.cp > 1:
+        raise ConfigError(
+            f"{name}: cp = {lay.cp}, but encoders do not use context parallelism; give the {name} encoder "
+            f"cp = 1 and more dp instead (its batch is spread over the LLM's cp ranks)"
+        )
+    _divides(lay, "tp", {"num_heads": enc.num_heads, "hidden_size": enc.hidden_size,
+                         "intermediate_size": enc.intermediate_size}, f"model.{name}")
+    if enc.num_layers < lay.pp:
+        raise ConfigError(
+            f"{name}: pp = {lay.pp} exceeds model.{name}.num_layers = {enc.num_layers}; every pipeline stage "
+            f"needs at least one layer"
+        )
+
+
+def _divides(lay: Layout, dim: str, sizes: dict[str, int], prefix: str) -> None:
+    degree = lay.degree(dim)
+    for field, size in sizes.items():
+        if size % degree:
+            fits = [d for d in range(1, lay.size + 1) if lay.size % d == 0 and all(s % d == 0 for s in sizes.values())]
+            raise ConfigError(
+                f"{lay.module}: {dim} = {degree} does not divide {prefix}.{field} = {size}; "
+                f"use {dim} ∈ {{{', '.join(map(str, fits))}}}"
+            )

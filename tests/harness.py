@@ -1,0 +1,151 @@
+"""Runs a test body on N gloo ranks on CPU, reusing spawned worlds across tests.
+
+A world is N persistent worker processes with an initialised gloo process group; a test sends a
+module-level function to all of them and gets every rank's return value back. A rank's exception is
+reported with its traceback; a hang (or a dead rank) kills the world and fails the test after a timeout,
+so CI never hangs. Spawning 8 ranks costs ~15 s on the 2-core CI machine, hence the reuse.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+GRACE_AFTER_FAILURE_S = 5.0  # once one rank failed, the others get this long before the world is killed
+
+
+class WorldError(AssertionError):
+    """One or more ranks failed; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, paths: list[str], tasks, results) -> None:
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        groups_before = set(c10d._world.pg_map)
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - everything is reported to the test
+            results.put((rank, False, traceback.format_exc()))
+        for group in set(c10d._world.pg_map) - groups_before:  # a test's leftover groups
+            dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    os._exit(0)  # skips interpreter teardown, which sometimes aborts after functional collectives
+
+
+class World:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(size)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, size, port, list(sys.path), self._tasks[r], self._results), daemon=True)
+            for r in range(size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.alive = True
+
+    def run(self, fn: Callable, *args, timeout: float = 120.0, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank; returns the per-rank results, rank order."""
+        if not self.alive:
+            raise RuntimeError("this world was killed by an earlier failure")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        done: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < self.size:
+            if any(not ok for ok, _ in done.values()):
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+            try:
+                rank, ok, value = self._results.get(timeout=0.2)
+                done[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
+                if dead or time.monotonic() > deadline:
+                    self.kill()
+                    raise WorldError(self._report(done, dead, timeout))
+        if any(not ok for ok, _ in done.values()):
+            self.kill()  # a failed rank may have left collectives unmatched: start the next test afresh
+            raise WorldError(self._report(done, [], timeout))
+        return [done[r][1] for r in range(self.size)]
+
+    def _report(self, done: dict, dead: list[int], timeout: float) -> str:
+        lines = [f"{self.size}-rank world failed"]
+        for r in sorted(done):
+            ok, value = done[r]
+            if not ok:
+                lines.append(f"--- rank {r} raised:\n{value}")
+        missing = [r for r in range(self.size) if r not in done]
+        if dead:
+            lines.append(f"--- ranks {dead} died without reporting")
+        if missing:
+            lines.append(f"--- ranks {missing} did not finish within {timeout:.0f} s (hung or waiting on a failed rank)")
+        return "\n".join(lines)
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        self.alive = False
+
+    def close(self) -> None:
+        if not self.alive:
+            return
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+
+class WorldPool:
+    """Keeps one live world per size, at most `max_alive` at a time (each rank holds a torch import)."""
+
+    def __init__(self, max_alive: int = 2) -> None:
+        self.max_alive = max_alive
+        self._worlds: dict[int, World] = {}
+
+    def run(self, size: int, fn: Callable, *args, timeout: float = 120.0, **kwargs) -> list:
+        world = self._worlds.get(size)
+        if world is None or not world.alive:
+            while len(self._worlds) >= self.max_alive:
+                self._worlds.pop(next(iter(self._worlds))).close()
+            world = self._worlds[size] = World(size)
+        else:  # most recently used last
+            self._worlds[size] = self._worlds.pop(size)
+        try:
+            return world.run(fn, *args, timeout=timeout, **kwargs)
+        finally:
+            if not world.alive:
+                del self._worlds[size]
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()
