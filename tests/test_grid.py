@@ -1,0 +1,156 @@
+"""Grids, roles and `loom plan`: coordinates by hand-computed expectations, and process groups on 8 gloo
+ranks where a collective on each group must touch exactly the expected ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loom.config import load_config
+from loom.topology import DIMS, Topology
+from loom.topology.grid import all_dim_subsets
+
+
+def plan(world: int, *overrides: str) -> Topology:
+    return Topology.plan(load_config(None, list(overrides)), world)
+
+
+def expected_coord(rank: int, start: int, tp: int, cp: int, pp: int, dp: int) -> dict[str, int]:
+    """tp fastest, then cp, dp, pp — written out by hand as mixed-radix digits."""
+    r = rank - start
+    return {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
+
+
+@pytest.mark.parametrize("tp,cp,pp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+def test_coordinates_and_inverse(tp, cp, pp):
+    topo = plan(8, f"--layout.language.tp={tp}", f"--layout.language.cp={cp}", f"--layout.language.pp={pp}",
+                "--data.pad_to_multiple=8", "--train.global_batch_size=8")
+    grid, dp = topo.grids["language"], 8 // (tp * cp * pp)
+    for rank in range(8):
+        c = grid.coord(rank)
+        assert c == expected_coord(rank, 0, tp, cp, pp, dp)
+        assert grid.rank_at(**c) == rank
+
+
+def test_rank_sets_partition_the_grid_and_vary_only_along_their_dims():
+    grid = plan(8, "--layout.language.tp=2", "--layout.language.pp=2").grids["language"]
+    for dims in all_dim_subsets():
+        sets = grid.rank_sets(*dims)
+        assert sorted(itertools.chain(*sets)) == list(range(8))
+        for ranks in sets:
+            coords = [grid.coord(r) for r in ranks]
+            for d in DIMS:
+                if d not in dims:
+                    assert len({c[d] for c in coords}) == 1, (dims, ranks)
+            assert len(ranks) == _prod(grid.layout.degree(d) for d in dims)
+
+
+def test_contains_and_outside_rank():
+    topo = plan(8, '--layout.vision.ranks="0-1"', '--layout.audio.ranks="0-1"', '--layout.language.ranks="2-7"',
+                "--train.global_batch_size=12")
+    grid = topo.grids["language"]
+    assert grid.contains(2) and not grid.contains(1)
+    assert isinstance(grid.contains(2), bool)
+    with pytest.raises(ValueError, match="rank 1 is not in the language grid"):
+        grid.coord(1)
+    assert grid.coord(2) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+
+
+def test_roles_colocated():
+    topo = plan(4, "--layout.language.pp=2")
+    for rank in range(4):
+        role = topo.role(rank)
+        assert role.modules == ("vision", "audio", "language")
+        stage = role.stage("language")
+        assert stage.index == rank // 2 and stage.count == 2
+        assert stage.is_first == (rank < 2) and stage.is_last == (rank >= 2)
+        assert role.stage("vision").is_first and role.stage("vision").is_last
+
+
+def test_roles_noncolocated():
+    topo = plan(8, '--layout.vision.ranks="0-1"', '--layout.audio.ranks="0-1"', '--layout.language.ranks="2-7"',
+                "--layout.language.tp=2", "--layout.language.pp=3")
+    for rank in (0, 1):
+        role = topo.role(rank)
+        assert role.modules == ("vision", "audio") and not role.hosts("language")
+        with pytest.raises(KeyError, match="does not host 'language'"):
+            role.stage("language")
+    for rank in range(2, 8):
+        role = topo.role(rank)
+        assert role.modules == ("language",)
+        assert role.stage("language").index == (rank - 2) // 2
+
+
+def test_plan_on_example_configs(tmp_path, capsys):
+    from loom.cli import main
+
+    for name in ("colocated", "noncolocated"):
+        png = tmp_path / f"{name}.png"
+        assert main(["plan", f"configs/{name}.toml", "--png", str(png)]) == 0
+        data = png.read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+    out = capsys.readouterr().out
+    assert "non-colocated" in out and "stage 2/3" in out
+
+
+# ---------------------------------------------------------------- 8 gloo ranks
+
+
+def _groups_touch_expected_ranks(overrides: list[str]) -> dict:
+    """Every rank: for every grid and dim subset, all-gather the rank ids over the group."""
+    cfg = load_config(None, overrides)
+    topo = Topology.build(cfg)
+    me = dist.get_rank()
+    seen = {}
+    try:
+        for name, grid in topo.grids.items():
+            if not grid.contains(me):
+                continue
+            for dims in all_dim_subsets():
+                group = grid.group(*dims)
+                out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(out, torch.tensor([me]), group=group)
+                seen[(name, dims)] = tuple(int(t) for t in out)
+        mesh = topo.grids["language"].mesh("dp", "tp") if topo.grids["language"].contains(me) else None
+        mesh_shape = tuple(mesh.shape) if mesh is not None else None
+    finally:
+        topo.destroy()
+    return {"seen": seen, "mesh_shape": mesh_shape, "role": topo.role(me).modules}
+
+
+LAYOUTS_8 = {
+    "colocated": ["--layout.vision.tp=1", "--layout.audio.tp=2", "--layout.language.tp=2", "--layout.language.pp=2"],
+    "noncolocated": ['--layout.vision.ranks="0-1"', "--layout.vision.tp=2", '--layout.audio.ranks="0-1"',
+                     '--layout.language.ranks="2-7"', "--layout.language.tp=2", "--layout.language.pp=3"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_8))
+def test_groups_on_8_ranks(worlds, name):
+    overrides = LAYOUTS_8[name]
+    results = worlds.run(8, _groups_touch_expected_ranks, overrides)
+    topo = plan(8, *overrides)
+    for rank, res in enumerate(results):
+        assert res["role"] == topo.role(rank).modules
+        for (module, dims), members in res["seen"].items():
+            grid = topo.grids[module]
+            # expected from coordinates alone: the ranks equal to me in every dim outside `dims`
+            mine = grid.coord(rank)
+            expected = [r for r in grid.layout.ranks
+                        if all(grid.coord(r)[d] == mine[d] for d in DIMS if d not in dims)]
+            assert sorted(members) == expected, (rank, module, dims)
+        hosted = [m for m in topo.grids if topo.grids[m].contains(rank)]
+        assert {m for m, _ in res["seen"]} == set(hosted)
+        if "language" in hosted:
+            lay = topo.grids["language"].layout
+            assert res["mesh_shape"] == (lay.dp, lay.tp)
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

@@ -1,0 +1,103 @@
+"""Layouts and placement: valid configs resolve to the expected degrees; invalid ones fail with a message
+that names the module, the dimension and the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.config import ConfigError, load_config
+from loom.topology import Topology
+from loom.topology.layout import parse_ranks
+
+
+def plan(world: int, *overrides: str) -> Topology:
+    return Topology.plan(load_config(None, list(overrides)), world)
+
+
+def degrees(topo: Topology, module: str) -> tuple[int, int, int, int, range]:
+    lay = topo.placement.layouts[module]
+    return lay.tp, lay.cp, lay.pp, lay.dp, lay.ranks
+
+
+def test_default_is_data_parallel_everywhere():
+    topo = plan(4)
+    assert topo.placement.kind == "colocated"
+    for module in ("vision", "audio", "language"):
+        assert degrees(topo, module) == (1, 1, 1, 4, range(4))
+
+
+def test_unlisted_encoder_follows_language_ranks():
+    topo = plan(8, '--layout.language.ranks="4-7"', "--layout.language.tp=2",
+                '--layout.vision.ranks="0-3"')
+    assert degrees(topo, "language") == (2, 1, 1, 2, range(4, 8))
+    assert degrees(topo, "vision") == (1, 1, 1, 4, range(0, 4))
+    assert degrees(topo, "audio") == (1, 1, 1, 4, range(4, 8))  # not listed: the LLM's ranks, dp only
+    assert topo.placement.kind == "non-colocated"
+
+
+def test_heterogeneous_colocated():
+    topo = plan(8, "--layout.vision.tp=1", "--layout.audio.tp=2", "--layout.language.tp=2", "--layout.language.cp=2",
+                "--data.pad_to_multiple=8")
+    assert degrees(topo, "vision") == (1, 1, 1, 8, range(8))
+    assert degrees(topo, "audio") == (2, 1, 1, 4, range(8))
+    assert degrees(topo, "language") == (2, 2, 1, 2, range(8))
+    assert topo.placement.colocated
+
+
+def test_explicit_dp_that_fits():
+    topo = plan(8, "--layout.language.tp=2", "--layout.language.dp=4")
+    assert degrees(topo, "language")[3] == 4
+
+
+def test_parse_ranks():
+    assert parse_ranks("0-3", 8, "k") == range(0, 4)
+    assert parse_ranks("5", 8, "k") == range(5, 6)
+    assert parse_ranks("", 8, "k") == range(8)
+
+
+INVALID = [
+    # (world, overrides, fragments every message must contain)
+    (8, ["--layout.language.tp=3"], ["language", "tp·cp·pp", "3", "8 ranks"]),
+    (8, ["--layout.language.tp=2", "--layout.language.dp=3"], ["language", "tp·cp·pp·dp", "6", "8 ranks", "dp = 4"]),
+    (8, ["--layout.language.tp=0"], ["layout.language.tp", "0", "≥ 1"]),
+    (8, ["--layout.vision.dp=-1"], ["layout.vision.dp", "-1"]),
+    (8, ['--layout.language.ranks="a-b"'], ["layout.language.ranks", "'a-b'", "first-last"]),
+    (8, ['--layout.language.ranks="5-2"'], ["layout.language.ranks", "ascending"]),
+    (8, ['--layout.language.ranks="0-9"'], ["layout.language.ranks", "rank 9", "8 ranks"]),
+    (8, ['--layout.vision.ranks="0-5"', '--layout.language.ranks="4-7"'],
+     ["vision (ranks 0-5)", "(ranks 4-7)", "partially overlap", "[4, 5]"]),
+    (8, ['--layout.vision.ranks="0-1"', '--layout.audio.ranks="0-1"', '--layout.language.ranks="4-7"'],
+     ["ranks [2, 3]", "tile"]),
+    (8, ['--layout.language.ranks="0-3"'], ["ranks [4, 5, 6, 7]", "idle"]),
+    (8, ["--layout.language.tp=8", "--model.language.num_kv_heads=4"],
+     ["language", "tp = 8", "model.language.num_heads = 4", "tp ∈ {1, 2, 4}"]),
+    (4, ["--layout.language.tp=4"], ["language", "tp = 4", "num_kv_heads = 2", "tp ∈ {1, 2}"]),
+    (4, ["--layout.language.tp=2", "--model.language.vocab_size=321"], ["language", "vocab_size = 321", "tp ∈ {1}"]),
+    (8, ["--layout.language.pp=8"], ["language", "pp = 8", "num_layers = 4"]),
+    (4, ["--layout.vision.cp=2"], ["vision", "cp = 2", "encoders do not use context parallelism"]),
+    (8, ["--layout.audio.tp=8"], ["audio", "tp = 8", "model.audio", "tp ∈ {1, 2, 4}"]),
+    (4, ["--layout.vision.pp=4"], ["vision", "pp = 4", "model.vision.num_layers = 2"]),
+    (4, ["--layout.language.cp=2"], ["language", "cp = 2", "2·cp = 4", "data.pad_to_multiple = 1"]),
+    (8, ["--train.global_batch_size=12"], ["train.global_batch_size = 12", "dp = 8"]),
+    (4, ["--model.encoders=['vision']", "--data.tasks=['digits']", "--layout.audio.tp=1"],
+     ["[layout.audio]", "no audio module"]),
+    (4, ["--layout.world_size=8"], ["layout.world_size = 8", "4 ranks"]),
+    (4, ["--layout.language.sp=2"], ["unknown config key 'layout.language.sp'"]),
+]
+
+
+@pytest.mark.parametrize("world,overrides,fragments", INVALID, ids=[" ".join(o) for _, o, _ in INVALID])
+def test_invalid_layout_is_rejected_with_a_clear_message(world, overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides, world_size=world)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} missing from: {err.value}"
+
+
+def test_layout_errors_come_before_any_model_is_built(monkeypatch):
+    import loom.models.multimodal as mm
+
+    monkeypatch.setattr(mm, "build_model", lambda *a, **k: pytest.fail("model built before validation"))
+    from loom.cli import main
+
+    assert main(["plan", "--world-size=8", "--layout.language.tp=3"]) == 2
