@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loom: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "train":
+        if world_size > 1:
+            print(
+                f"loom: train runs on one process for now (WORLD_SIZE={world_size}); multi-rank layouts "
+                f"validate and show with `loom plan`, training across ranks is not built yet",
+                file=sys.stderr,
+            )
+            return 2
         from loom.train.trainer import Trainer
 
         Trainer(cfg).run()
