@@ -1,4 +1,4 @@
-"""Command line: `loom train|plan [CONFIG] [--section.key=value ...]`."""
+"""Command line: `loom train|plan [CONFIG] [--section.key=value ...]`, `loom export CHECKPOINT --hf OUT_DIR`."""
 
 from __future__ import annotations
 
@@ -18,8 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("config", nargs="?", help="TOML job config")
     plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
     plan.add_argument("--png", default=None, help="where to write the picture (default: <config name>.plan.png)")
-    args, extra = parser.parse_known_args(argv)
-    overrides = _join_space_separated(extra)
+    export = sub.add_parser("export", help="write a loom checkpoint's modules as Hugging Face folders")
+    export.add_argument("checkpoint", help="loom checkpoint folder (model.safetensors + state.json)")
+    export.add_argument("--hf", required=True, metavar="OUT_DIR",
+                        help="writes OUT_DIR/language, OUT_DIR/vision, OUT_DIR/audio (config.json + model.safetensors)")
+    args, extra = parser.parse_known_args(_join_space_separated(sys.argv[1:] if argv is None else argv))
+    if args.command == "export":
+        if extra:
+            parser.error(f"unexpected arguments {extra}")
+        return _export(args.checkpoint, args.hf)
+    overrides = extra
     bad = [o for o in overrides if not o.startswith("--")]
     if bad:
         parser.error(f"unexpected arguments {bad}; overrides look like --train.steps=50")
@@ -60,11 +68,28 @@ def _plan(cfg, args) -> int:
     return 0
 
 
+def _export(checkpoint: str, out_dir: str) -> int:
+    from loom.models.hf import HFError, export_checkpoint
+
+    try:
+        written = export_checkpoint(checkpoint, out_dir)
+    except HFError as e:
+        print(f"loom: export error: {e}", file=sys.stderr)
+        return 2
+    skipped = written.pop("not_exported")
+    for module, folder in written.items():
+        print(f"{module:<8} → {folder}")
+    if skipped:
+        print(f"not exported (no Hugging Face counterpart): {', '.join(skipped)}")
+    return 0
+
+
 def _join_space_separated(items: list[str]) -> list[str]:
-    """Accepts both `--a.b=1` and `--a.b 1`."""
+    """Accepts both `--a.b=1` and `--a.b 1` for dotted config keys (before argparse sees the value)."""
     out: list[str] = []
     for item in items:
-        if out and "=" not in out[-1] and not item.startswith("--"):
+        prev = out[-1] if out else ""
+        if prev.startswith("--") and "." in prev and "=" not in prev and not item.startswith("--"):
             out[-1] = f"{out[-1]}={item}"
         else:
             out.append(item)

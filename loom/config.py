@@ -125,8 +125,21 @@ def load_config(
         key, value = parse_override(item)
         _set_dotted(data, key, value)
     cfg = from_dict(JobConfig, data, "")
+    cfg.model = _with_pretrained_sizes(cfg.model)
     validate(cfg, world_size)
     return cfg
+
+
+def _with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
+    """A module whose `hf` folder is set takes its sizes from that folder's config.json."""
+    if not any(getattr(getattr(m, name, None), "hf", "") for name in ("language", *m.encoders)):
+        return m
+    from loom.models.hf import HFError, resolve_pretrained_configs
+
+    try:
+        return resolve_pretrained_configs(m)
+    except HFError as e:
+        raise ConfigError(str(e)) from None
 
 
 def parse_override(item: str) -> tuple[str, object]:
@@ -163,7 +176,9 @@ def from_dict(cls, data: dict, prefix: str):
         if key not in fields:
             raise ConfigError(_unknown_key(prefix + key, key, list(fields)))
         typ = _optional_dataclass(hints[key]) or hints[key]
-        if dataclasses.is_dataclass(typ):
+        if value is None and typ is not hints[key]:  # an absent optional table, e.g. from a saved config
+            kwargs[key] = None
+        elif dataclasses.is_dataclass(typ):
             kwargs[key] = from_dict(typ, value, f"{prefix}{key}.")
         else:
             kwargs[key] = _check_type(prefix + key, value, typ)
@@ -272,6 +287,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             )
     if not d.tasks:
         raise ConfigError("data.tasks is empty; choose from " + str(list(TASKS)))
+    _positive({f"model.{name}.{k}": v for name in ("language", *m.encoders)
+               for k, v in dataclasses.asdict(getattr(m, name)).items()
+               if k in _SIZE_FIELDS and not (k == "head_dim" and v == 0)})
     _validate_language(m.language, ByteTokenizer().vocab_size)
     for name in m.encoders:
         enc = getattr(m, name)
@@ -293,6 +311,13 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     world = world_size or declared
     if world:
         check_placement(resolve_placement(cfg, world), cfg)
+
+
+# sizes that must be ≥ 1 in every model config that has them (head_dim 0 means "derived")
+_SIZE_FIELDS = {
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+    "channels", "patch_size", "position_grid", "num_features", "max_positions",
+}
 
 
 def _validate_language(lm: LLMConfig, tokenizer_vocab: int) -> None:

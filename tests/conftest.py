@@ -139,8 +139,8 @@ def make_sample(spec: Spec, model: MultimodalModel, tok: ByteTokenizer, g: torch
 # a text-only sample and a very short one
 MIXED_SPECS = [
     Spec(images=[(8, 12)], prompt_len=2, answer_len=3),
-    Spec(audio=[9], prompt_len=4, answer_len=2),
-    Spec(prompt_len=5, answer_len=6),
+    Spec(audio=[9], prompt_len=4, answer_len=3),
+    Spec(prompt_len=8, answer_len=6),
     Spec(images=[(16, 4), (4, 8)], audio=[14], prompt_len=1, answer_len=4),
     Spec(prompt_len=0, answer_len=0, eos=False),  # just <bos>: a sample of length 1
     Spec(images=[(12, 12)], audio=[5], prompt_len=3, answer_len=1),
@@ -156,3 +156,13 @@ def mixed_samples(tiny_model, tok) -> list[Sample]:
 def text_sample(tokens: list[int], n_prompt: int) -> Sample:
     """A text-only sample whose first `n_prompt` tokens are the prompt."""
     return Sample(list(tokens), [False] * n_prompt + [True] * (len(tokens) - n_prompt), [], [])
+
+
+@pytest.fixture(scope="session")
+def worlds():
+    """Spawned gloo worlds, reused across tests: `worlds.run(n_ranks, module_level_fn, *args)`."""
+    from harness import WorldPool
+
+    pool = WorldPool()
+    yield pool
+    pool.close()

@@ -23,6 +23,7 @@ class AudioConfig:
     intermediate_size: int = 256
     layer_norm_eps: float = 1e-5
     max_positions: int = 1500  # frames after subsampling
+    hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:

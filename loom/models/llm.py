@@ -31,6 +31,7 @@ class LLMConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head before RoPE
     init_std: float = 0.02
+    hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
     @property
     def dim_per_head(self) -> int:

@@ -6,6 +6,8 @@ parallel layout; the step driver may therefore call `encode`, `merge` and the LL
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -73,10 +75,12 @@ def build_model(
     vision: VisionConfig | None,
     audio: AudioConfig | None,
     placeholder_ids: dict[str, int],
+    make: Callable[[type[nn.Module], object], nn.Module] = lambda cls, cfg: cls(cfg),
 ) -> MultimodalModel:
+    """`make(cls, cfg)` builds the LLM and each encoder (e.g. loading pretrained weights); projectors are new."""
     encoders = {}
     if vision is not None:
-        encoders["vision"] = ModalityEncoder(VisionEncoder(vision), language.hidden_size)
+        encoders["vision"] = ModalityEncoder(make(VisionEncoder, vision), language.hidden_size)
     if audio is not None:
-        encoders["audio"] = ModalityEncoder(AudioEncoder(audio), language.hidden_size)
-    return MultimodalModel(DecoderLM(language), encoders, placeholder_ids)
+        encoders["audio"] = ModalityEncoder(make(AudioEncoder, audio), language.hidden_size)
+    return MultimodalModel(make(DecoderLM, language), encoders, placeholder_ids)

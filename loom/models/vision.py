@@ -27,6 +27,7 @@ class VisionConfig:
     layer_norm_eps: float = 1e-6
     position_grid: int = 8  # learned positions for a grid×grid patch image, interpolated for other sizes
     act: str = "tanh"  # gelu approximation: "tanh" (SigLIP) or "none"
+    hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 
 class VisionEncoder(nn.Module):

@@ -41,9 +41,9 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> flo
 
 def clip_and_check(model: nn.Module, max_norm: float) -> tuple[float, bool]:
     """Global grad norm (before clipping) and whether it is finite; clips only when finite and max_norm > 0."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.tensor(0.0)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0) if params else torch.tensor(0.0)
     finite = bool(torch.isfinite(norm))
     if finite and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, scales their .grad
     return float(norm), finite

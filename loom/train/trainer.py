@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,7 @@ from loom.data.packing import pack_samples
 from loom.data.sample import Sample
 from loom.data.tasks import CHANCE, TaskDataset
 from loom.data.tokenizer import ByteTokenizer
+from loom.models.hf import make_module, resolve_pretrained_configs
 from loom.models.multimodal import MultimodalModel, build_model
 from loom.train.checkpoint import load_checkpoint, save_checkpoint
 from loom.train.evaluate import evaluate
@@ -42,13 +45,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_job_model(cfg: JobConfig, tok: ByteTokenizer) -> MultimodalModel:
-    m = cfg.model
+def build_job_model(cfg: JobConfig, tok: ByteTokenizer, pretrained: bool = True) -> MultimodalModel:
+    """The job's model; a module whose `hf` folder is set takes its sizes (and, if `pretrained`, its weights)
+    from that folder. Projectors always start from random weights."""
+    m = resolve_pretrained_configs(cfg.model)
     return build_model(
         m.language,
         m.vision if "vision" in m.encoders else None,
         m.audio if "audio" in m.encoders else None,
         tok.placeholder_ids,
+        make=functools.partial(make_module, pretrained=pretrained),
     )
 
 
@@ -61,11 +67,12 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer) -> Batch:
 
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
+        cfg = dataclasses.replace(cfg, model=resolve_pretrained_configs(cfg.model))  # sizes of `hf` folders
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
         self.device = resolve_device(cfg.train.device)
         self.tok = ByteTokenizer()
-        self.model = build_job_model(cfg, self.tok).to(self.device)
+        self.model = build_job_model(cfg, self.tok, pretrained=not cfg.run.resume).to(self.device)
         self.counters = {n: self.model.encoder(n).num_tokens for n in self.model.encoder_names}
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.step = 0

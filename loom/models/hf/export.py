@@ -1,0 +1,81 @@
+"""Writing loom modules back as Hugging Face folders (`config.json` + `model.safetensors`).
+
+- language → LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (attention_bias → qwen2, qk_norm → qwen3,
+  else llama), loadable with `AutoModelForCausalLM.from_pretrained`;
+- vision → SiglipVisionModel (without the pooling head: `vision_use_head = false`);
+- audio → WhisperEncoder (`WhisperEncoder.from_pretrained`; a full WhisperConfig, encoder weights only).
+
+config.json is written by hand, so exporting needs no transformers. Projectors have no Hugging Face
+counterpart and stay in the loom checkpoint only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from loom.models.hf.load import MODULES, expected_tensors, module_kind
+from loom.models.hf.mapping import EXPORT_PREFIXES, HFError, config_to_hf, hf_name
+
+
+def export_module(module: nn.Module, out_dir: str | Path) -> Path:
+    """Writes a DecoderLM / VisionEncoder / AudioEncoder as a Hugging Face folder."""
+    kind = module_kind(module)
+    tensors = {n: t for n, t in module.state_dict().items() if n in expected_tensors(module)}
+    return write_hf_folder(kind, module.cfg, tensors, out_dir)
+
+
+def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """`tensors` are the module's own (module-relative loom names, tied ones once); they must be exactly the
+    tensors a module built from `cfg` has, with its shapes."""
+    with torch.device("meta"):
+        expected = expected_tensors(MODULES[kind](cfg))
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    bad = [f"{n}: {list(tensors[n].shape)} vs {list(expected[n])}" for n in sorted(set(tensors) & set(expected))
+           if tuple(tensors[n].shape) != expected[n]]
+    if missing or unexpected or bad:
+        raise HFError(f"{kind}: tensors do not match the config: missing {missing}; unexpected {unexpected}; "
+                      f"shape mismatch {bad}")
+    dtype = next(iter(tensors.values())).dtype
+    hf = config_to_hf(kind, cfg, dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = EXPORT_PREFIXES[kind]
+    save_file({hf_name(kind, n, prefix): t.detach().contiguous().cpu() for n, t in tensors.items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path | list[str]]:
+    """Writes each module of a loom checkpoint folder (`model.safetensors` + `state.json`, as saved by
+    loom.train.checkpoint) as `out_dir/<module>`. Returns the folders and the tensors not exported."""
+    from loom.config import ConfigError, ModelConfig, from_dict
+
+    ckpt = Path(checkpoint)
+    if not (ckpt / "model.safetensors").is_file() or not (ckpt / "state.json").is_file():
+        raise HFError(f"{ckpt} is not a loom checkpoint (it needs model.safetensors and state.json)")
+    state = json.loads((ckpt / "state.json").read_text())
+    if "model" not in state.get("config", {}):
+        raise HFError(f"{ckpt}/state.json has no config.model: the module sizes are unknown")
+    try:
+        m = from_dict(ModelConfig, state["config"]["model"], "model.")
+    except ConfigError as e:
+        raise HFError(f"{ckpt}/state.json: {e}") from None
+    modules = {"language": ("language.", m.language)}
+    modules.update({name: (f"{name}.encoder.", getattr(m, name)) for name in m.encoders})
+    written: dict = {}
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+        for kind, (prefix, cfg) in modules.items():
+            tensors = {n[len(prefix):]: f.get_tensor(n) for n in names if n.startswith(prefix)}
+            written[kind] = write_hf_folder(kind, cfg, tensors, Path(out_dir) / kind)
+        exported = tuple(prefix for prefix, _ in modules.values())
+        written["not_exported"] = sorted(n for n in names if not n.startswith(exported))
+    return written

@@ -1,0 +1,383 @@
+"""What a Hugging Face checkpoint means to loom: config.json ↔ loom config, tensor names ↔ loom names.
+
+Three kinds of module, named as loom's modules are:
+- ``language``: Llama 3.x (``llama``), Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``) causal LMs → DecoderLM;
+- ``vision``: a SigLIP vision tower (``siglip_vision_model``, or the vision half of ``siglip``) → VisionEncoder;
+- ``audio``: a Whisper encoder (``whisper``: WhisperForConditionalGeneration, WhisperModel or WhisperEncoder)
+  → AudioEncoder.
+
+Everything a loom module cannot express exactly is rejected with the config key that asks for it; nothing
+is approximated. No transformers needed: the loader and the exporter share these tables.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from loom.models.audio import AudioConfig
+from loom.models.llm import LLMConfig
+from loom.models.vision import VisionConfig
+
+MODEL_TYPES = {
+    "llama": "language",
+    "qwen2": "language",
+    "qwen3": "language",
+    "siglip_vision_model": "vision",
+    "siglip": "vision",
+    "whisper": "audio",
+}
+ARCHITECTURES = {
+    "llama": {"LlamaForCausalLM", "LlamaModel"},
+    "qwen2": {"Qwen2ForCausalLM", "Qwen2Model"},
+    "qwen3": {"Qwen3ForCausalLM", "Qwen3Model"},
+    "siglip_vision_model": {"SiglipVisionModel"},
+    "siglip": {"SiglipModel", "SiglipVisionModel"},
+    "whisper": {"WhisperForConditionalGeneration", "WhisperModel", "WhisperEncoder"},
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+WHISPER_LAYER_NORM_EPS = 1e-5  # fixed in Whisper (nn.LayerNorm default), not in its config
+
+
+class HFError(ValueError):
+    """A Hugging Face checkpoint that loom cannot load (or a loom module it cannot export) exactly."""
+
+
+# ---------------------------------------------------------------- config.json → loom config
+
+
+def model_type(hf: dict, where: str) -> str:
+    mt = hf.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise HFError(
+            f"{where}: model_type {mt!r} (architectures {hf.get('architectures')}) is not supported; "
+            f"loom loads {sorted(MODEL_TYPES)}"
+        )
+    archs = [a for a in hf.get("architectures") or [] if a not in ARCHITECTURES[mt]]
+    if archs:
+        raise HFError(
+            f"{where}: architectures {archs} are not supported for model_type {mt!r}; "
+            f"loom loads {sorted(ARCHITECTURES[mt])}"
+        )
+    return mt
+
+
+def kind_of(hf: dict, where: str) -> str:
+    return MODEL_TYPES[model_type(hf, where)]
+
+
+def config_from_hf(hf: dict, where: str, folder: str = "") -> LLMConfig | VisionConfig | AudioConfig:
+    """The loom config of the module that config.json `hf` describes; `folder` is recorded in its `hf`."""
+    mt = model_type(hf, where)
+    if MODEL_TYPES[mt] == "language":
+        return _llm_config(hf, mt, where, folder)
+    if MODEL_TYPES[mt] == "vision":
+        return _vision_config((hf.get("vision_config") or {}) if mt == "siglip" else hf, where, folder)
+    return _audio_config(hf, where, folder)
+
+
+def _reject(where: str, what: str, why: str) -> None:
+    raise HFError(f"{where}: {what} is not supported: {why}")
+
+
+def _required(hf: dict, keys: tuple[str, ...], where: str) -> None:
+    missing = [k for k in keys if hf.get(k) is None]
+    if missing:
+        raise HFError(f"{where}: config.json lacks {missing}")
+
+
+def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
+    _required(hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+              where)
+    if hf.get("hidden_act", "silu") != "silu":
+        _reject(where, f"hidden_act = {hf['hidden_act']!r}", "loom's MLP is SwiGLU (silu)")
+    if mt in ("llama", "qwen3") and hf.get("attention_bias"):
+        _reject(where, "attention_bias = true", f"{mt} then adds a bias to o_proj too, and loom's o_proj has none")
+    if hf.get("mlp_bias"):
+        _reject(where, "mlp_bias = true", "loom's MLP projections have no bias")
+    sliding = _sliding_layers(hf)
+    if sliding:
+        _reject(where, f"sliding-window attention (layers {sliding})", "loom attends over the whole sample")
+    theta, scaling = _rope(hf, where)
+    heads = hf["num_attention_heads"]
+    default_head_dim = 128 if mt == "qwen3" else hf["hidden_size"] // heads  # Qwen3Config's default is 128
+    return LLMConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or default_head_dim,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=mt == "qwen2",  # Qwen2 always has q/k/v bias (and never o_proj bias)
+        qk_norm=mt == "qwen3",
+        hf=folder,
+    )
+
+
+def _sliding_layers(hf: dict) -> list[int]:
+    """Layers that attend in a sliding window, by the rules of Qwen2/Qwen3 configs."""
+    types = hf.get("layer_types")
+    if types:
+        return [i for i, t in enumerate(types) if t != "full_attention"]
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        first = hf.get("max_window_layers", 0)
+        return list(range(first, hf["num_hidden_layers"]))
+    return []
+
+
+def _rope(hf: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, loom rope_scaling) from either format: transformers 4 (`rope_theta` + `rope_scaling`)
+    or 5 (`rope_parameters` holding both). As in transformers, `rope_scaling` wins when both are present."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        _reject(where, "rope parameters per layer type", "loom uses one rotary embedding for every layer")
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        _reject(where, f"partial_rotary_factor = {partial}", "loom rotates the whole head dimension")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        _reject(where, f"rope type {kind!r}", f"loom implements {list(ROPE_TYPES)}")
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        if "factor" not in params:
+            raise HFError(f"{where}: linear rope scaling lacks 'factor'")
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    original = (  # where transformers looks for it, in its order
+        hf.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings")
+    )
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing or not original:
+        raise HFError(f"{where}: llama3 rope scaling lacks {missing or ['original_max_position_embeddings']}")
+    return theta, {
+        "rope_type": "llama3",
+        "factor": float(params["factor"]),
+        "low_freq_factor": float(params["low_freq_factor"]),
+        "high_freq_factor": float(params["high_freq_factor"]),
+        "original_max_position_embeddings": int(original),
+    }
+
+
+SIGLIP_ACTS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def _square(value, key: str, where: str) -> int:
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            _reject(where, f"{key} = {value}", "loom's vision encoder uses square patches and position grids")
+        value = value[0]
+    return int(value)
+
+
+def _vision_config(v: dict, where: str, folder: str) -> VisionConfig:
+    act = v.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in SIGLIP_ACTS:
+        _reject(where, f"hidden_act = {act!r}", f"loom's vision MLP supports {sorted(SIGLIP_ACTS)}")
+    image = _square(v.get("image_size", 224), "image_size", where)
+    patch = _square(v.get("patch_size", 16), "patch_size", where)
+    return VisionConfig(
+        channels=v.get("num_channels", 3),
+        patch_size=patch,
+        hidden_size=v.get("hidden_size", 768),
+        num_layers=v.get("num_hidden_layers", 12),
+        num_heads=v.get("num_attention_heads", 12),
+        intermediate_size=v.get("intermediate_size", 3072),
+        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        position_grid=image // patch,  # as SigLIP: so400m's 384 / 14 gives a 27 × 27 grid (the conv drops the rest)
+        act=SIGLIP_ACTS[act],
+        hf=folder,
+    )
+
+
+def _audio_config(hf: dict, where: str, folder: str) -> AudioConfig:
+    if hf.get("activation_function", "gelu") != "gelu":
+        _reject(where, f"activation_function = {hf['activation_function']!r}", "loom's audio MLP uses exact gelu")
+    return AudioConfig(
+        num_features=hf.get("num_mel_bins", 80),
+        hidden_size=hf.get("d_model", 384),
+        num_layers=hf.get("encoder_layers", 4),
+        num_heads=hf.get("encoder_attention_heads", 6),
+        intermediate_size=hf.get("encoder_ffn_dim", 1536),
+        layer_norm_eps=WHISPER_LAYER_NORM_EPS,
+        max_positions=hf.get("max_source_positions", 1500),
+        hf=folder,
+    )
+
+
+# ---------------------------------------------------------------- loom config → config.json
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_to_hf(kind: str, cfg, dtype) -> dict:
+    """A config.json that transformers reads back as the same architecture. Written by hand: no transformers."""
+    if kind == "language":
+        return _llm_to_hf(cfg, dtype)
+    if kind == "vision":
+        return _vision_to_hf(cfg, dtype)
+    return _audio_to_hf(cfg, dtype)
+
+
+def llm_family(cfg: LLMConfig) -> str:
+    if cfg.attention_bias and cfg.qk_norm:
+        raise HFError(
+            "language: attention_bias and qk_norm together have no Hugging Face counterpart "
+            "(Qwen3's attention_bias also adds an o_proj bias)"
+        )
+    return "qwen2" if cfg.attention_bias else "qwen3" if cfg.qk_norm else "llama"
+
+
+def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
+    mt = llm_family(cfg)
+    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HFError(f"language: rope type {kind!r} cannot be exported; loom implements {list(ROPE_TYPES)}")
+    # loom does not model max_position_embeddings (it does not change the numerics of these rope types)
+    max_pos = 32768
+    if scaling and "original_max_position_embeddings" in scaling:
+        max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    out = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[mt]],
+        "model_type": mt,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.dim_per_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        # both rope formats: transformers 4 reads rope_theta + rope_scaling, 5 reads rope_parameters
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": kind, "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "dtype": _dtype_name(dtype),
+        "torch_dtype": _dtype_name(dtype),
+    }
+    if mt in ("llama", "qwen3"):
+        out["attention_bias"] = False
+    if mt == "llama":
+        out["mlp_bias"] = False
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    return out
+
+
+def _vision_to_hf(cfg: VisionConfig, dtype) -> dict:
+    acts = {v: k for k, v in SIGLIP_ACTS.items()}
+    if cfg.act not in acts:
+        raise HFError(f"vision: act = {cfg.act!r} has no SigLIP counterpart; use one of {sorted(acts)}")
+    return {
+        "architectures": ["SiglipVisionModel"],
+        "model_type": "siglip_vision_model",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_channels": cfg.channels,
+        "image_size": cfg.position_grid * cfg.patch_size,
+        "patch_size": cfg.patch_size,
+        "hidden_act": acts[cfg.act],
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "vision_use_head": False,  # loom has no pooling head; without this transformers would add a random one
+        "dtype": _dtype_name(dtype),
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
+def _audio_to_hf(cfg: AudioConfig, dtype) -> dict:
+    if not math.isclose(cfg.layer_norm_eps, WHISPER_LAYER_NORM_EPS):
+        raise HFError(f"audio: layer_norm_eps = {cfg.layer_norm_eps} cannot be exported; Whisper's is fixed at 1e-5")
+    # a full WhisperConfig (WhisperEncoder reads it); the decoder sizes mirror the encoder's and are unused
+    return {
+        "architectures": ["WhisperEncoder"],
+        "model_type": "whisper",
+        "num_mel_bins": cfg.num_features,
+        "d_model": cfg.hidden_size,
+        "encoder_layers": cfg.num_layers,
+        "encoder_attention_heads": cfg.num_heads,
+        "encoder_ffn_dim": cfg.intermediate_size,
+        "decoder_layers": cfg.num_layers,
+        "decoder_attention_heads": cfg.num_heads,
+        "decoder_ffn_dim": cfg.intermediate_size,
+        "max_source_positions": cfg.max_positions,
+        "activation_function": "gelu",
+        "dtype": _dtype_name(dtype),
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
+# ---------------------------------------------------------------- tensor names
+
+# module-relative loom name → HF name without prefix; rules are anchored and applied in order
+_RENAMES = {
+    "language": [],
+    "vision": [
+        (r"^(patch_embedding|position_embedding)\.", r"embeddings.\1."),
+        (r"^layers\.", "encoder.layers."),
+    ],
+    "audio": [
+        (r"^embed_positions$", "embed_positions.weight"),  # a buffer in loom, an nn.Embedding in Whisper
+        (r"^(layers\.\d+)\.layer_norm1\.", r"\1.self_attn_layer_norm."),
+        (r"^(layers\.\d+)\.layer_norm2\.", r"\1.final_layer_norm."),
+        (r"^(layers\.\d+)\.mlp\.", r"\1."),
+    ],
+}
+# where the module's tensors sit in the checkpoint: tried in order, recognised by the anchor tensor
+PREFIXES = {
+    "language": ("model.", ""),  # *ForCausalLM, or a bare *Model
+    "vision": ("vision_model.", ""),  # SiglipModel / transformers-4 SiglipVisionModel, or transformers-5's
+    "audio": ("model.encoder.", "encoder.", ""),  # WhisperForConditionalGeneration, WhisperModel, WhisperEncoder
+}
+ANCHORS = {"language": "embed_tokens.weight", "vision": "embeddings.patch_embedding.weight", "audio": "conv1.weight"}
+EXPORT_PREFIXES = {"language": "model.", "vision": "vision_model.", "audio": ""}  # what transformers 4 and 5 load
+
+
+def hf_name(kind: str, name: str, prefix: str) -> str:
+    if kind == "language" and name.startswith("lm_head."):
+        return name  # outside the base model in every *ForCausalLM
+    for pattern, repl in _RENAMES[kind]:
+        name = re.sub(pattern, repl, name)
+    return prefix + name
+
+
+def detect_prefix(kind: str, names, where: str) -> str:
+    for prefix in PREFIXES[kind]:
+        if prefix + ANCHORS[kind] in names:
+            return prefix
+    tried = [p + ANCHORS[kind] for p in PREFIXES[kind]]
+    raise HFError(f"{where}: no {kind} tensors found: none of {tried} is in the checkpoint")
+
+
+def skip_reason(kind: str, name: str, prefix: str, hf: dict) -> str | None:
+    """Why the checkpoint tensor `name` is deliberately not loaded; None: it must map onto the module."""
+    if kind == "language":
+        if name == "lm_head.weight" and hf.get("tie_word_embeddings"):
+            return "tied to embed_tokens (some tied checkpoints store it anyway)"
+        if name.endswith(".rotary_emb.inv_freq"):
+            return "rotary frequencies, recomputed from the config (older checkpoints saved them)"
+    elif kind == "vision":
+        if name.startswith(prefix + "head."):
+            return "SigLIP's attention-pooling head; VLMs use the patch features before it"
+        text_side = name.startswith("text_model.") or name in ("logit_scale", "logit_bias")
+        if hf.get("model_type") == "siglip" and text_side:
+            return "SigLIP's text tower and contrastive logit scale/bias"
+    elif kind == "audio" and prefix:
+        parent = prefix[: -len("encoder.")]
+        if name.startswith(parent + "decoder.") or name == "proj_out.weight":
+            return "Whisper's text decoder"
+    return None
