@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from loom.data.packing import pack_samples
 from loom.data.sample import Sample
 from loom.data.tasks import CHANCE, TaskDataset
 from loom.data.tokenizer import ByteTokenizer
-from loom.models.hf import make_module, resolve_pretrained_configs
+from loom.models.hf import make_module
 from loom.models.multimodal import MultimodalModel, build_model
 from loom.train.checkpoint import load_checkpoint, save_checkpoint
 from loom.train.evaluate import evaluate
@@ -46,9 +45,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_job_model(cfg: JobConfig, tok: ByteTokenizer, pretrained: bool = True) -> MultimodalModel:
-    """The job's model; a module whose `hf` folder is set takes its sizes (and, if `pretrained`, its weights)
-    from that folder. Projectors always start from random weights."""
-    m = resolve_pretrained_configs(cfg.model)
+    """The job's model; a module whose `hf` folder is set loads its weights from there when `pretrained`
+    (its sizes were already taken from that folder by load_config). Projectors start from random weights."""
+    m = cfg.model
     return build_model(
         m.language,
         m.vision if "vision" in m.encoders else None,
@@ -67,7 +66,6 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer) -> Batch:
 
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
-        cfg = dataclasses.replace(cfg, model=resolve_pretrained_configs(cfg.model))  # sizes of `hf` folders
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
         self.device = resolve_device(cfg.train.device)
