@@ -1,4 +1,6 @@
-"""Command line: `loom train|plan [CONFIG] [--section.key=value ...]`, `loom export CHECKPOINT --hf OUT_DIR`."""
+"""Command line: `loom train|verify|plan [CONFIG] [--section.key=value ...]`, `loom export CHECKPOINT --hf OUT`.
+
+`train` and `verify` run on one process, or on every rank under `torchrun --nproc-per-node=N -m loom ...`."""
 
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (defaults: the tiny vision+audio+text model on CPU)")
     train.add_argument("config", nargs="?", help="TOML job config; omitted: built-in defaults")
+    verify = sub.add_parser("verify", help="run the layout and the one-process reference side by side and compare")
+    verify.add_argument("config", nargs="?", help="TOML job config")
+    verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
+    verify.add_argument("--tolerance", type=float, default=None,
+                        help="max relative difference (default 1e-5 in fp32, 3e-2 in bf16)")
     plan = sub.add_parser("plan", help="print the rank map of a config and draw it as a PNG (starts no process)")
     plan.add_argument("config", nargs="?", help="TOML job config")
     plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
@@ -39,18 +46,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"loom: config error: {e}", file=sys.stderr)
         return 2
-    if args.command == "train":
-        if world_size > 1:
-            print(
-                f"loom: train runs on one process for now (WORLD_SIZE={world_size}); multi-rank layouts "
-                f"validate and show with `loom plan`, training across ranks is not built yet",
-                file=sys.stderr,
-            )
-            return 2
+    return _run(args, cfg)
+
+
+def _run(args, cfg) -> int:
+    """train / verify: the same code on one process and on every rank of a torchrun launch."""
+    from loom.distributed import init_distributed, launched_world_size, shutdown
+
+    # under torchrun the rank's device follows the backend; one process honours train.device
+    device = init_distributed(cfg.parallel.backend) if launched_world_size() > 1 else None
+    try:
+        if args.command == "verify":
+            from loom.train.verify import verify
+
+            checks = verify(cfg, args.steps, args.tolerance, device)
+            return 0 if all(c.passed for c in checks) else 1
         from loom.train.trainer import Trainer
 
-        Trainer(cfg).run()
-    return 0
+        Trainer(cfg, device).run()
+        return 0
+    except ConfigError as e:
+        print(f"loom: config error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
 
 
 def _plan(cfg, args) -> int:

@@ -82,6 +82,7 @@ class ModuleLayoutConfig:
     pp: int = 1
     dp: int = 0
     ranks: str = ""  # "first-last"; empty: the language model's ranks (colocated), for it the whole world
+    sequence_parallel: bool = False  # language only: shard the residual stream's tokens over tp
 
 
 @dataclass
@@ -93,8 +94,15 @@ class LayoutConfig:
 
 
 @dataclass
+class ParallelConfig:
+    backend: str = choice("auto", "auto", "gloo", "nccl")  # auto: NCCL with CUDA, gloo without
+    reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (less memory)
+
+
+@dataclass
 class JobConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

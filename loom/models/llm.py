@@ -97,15 +97,20 @@ class DecoderLM(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-        """Runs the decoder layers on embeddings `h` ([tokens, hidden] packed or [batch, seq, hidden] padded)."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: TokenLayout,
+        inserts: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Logits for every token ([tokens] packed or [batch, seq] padded ids). `inserts` maps a placeholder
+        token id to the embeddings that replace its occurrences, in order (modality embeddings).
+        Everything runs inside this forward so FSDP's hooks gather the embedding and head weights."""
+        h = self.embed_tokens(input_ids)
+        for token_id, rows in (inserts or {}).items():
+            h = h.masked_scatter((input_ids == token_id).unsqueeze(-1), rows.to(h.dtype))
         rope = self.rotary(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, layout)
-        return h
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))

@@ -1,7 +1,7 @@
 """The multimodal model: modality encoders (each with its projector) feeding a decoder LLM.
 
 Each top-level child is one *module* in loom's sense (`vision`, `audio`, `language`) and later gets its own
-parallel layout; the step driver may therefore call `encode`, `merge` and the LLM separately.
+parallel layout; the step driver may therefore call `encode` and the LLM separately.
 """
 
 from __future__ import annotations
@@ -48,26 +48,25 @@ class MultimodalModel(nn.Module):
         """Runs every encoder that has inputs in this batch."""
         return {n: self.encoder(n)(items) for n, items in modality_inputs.items() if items}
 
-    def merge(self, input_ids: torch.Tensor, modality_embeds: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Text embeddings with each modality's placeholder positions replaced, in order, by its embeddings."""
-        h = self.language.embed(input_ids)
+    def inserts(self, input_ids: torch.Tensor, modality_embeds: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Placeholder id → embeddings, after checking each modality fills exactly its placeholders."""
+        out = {}
         for name, emb in modality_embeds.items():
-            mask = input_ids == self.placeholder_ids[name]
-            n_slots = int(mask.sum())
+            pid = self.placeholder_ids[name]
+            n_slots = int((input_ids == pid).sum())
             if n_slots != emb.shape[0]:
                 raise ValueError(
                     f"{name}: the batch has {n_slots} placeholder tokens but the encoder produced "
                     f"{emb.shape[0]} embeddings; each sample needs one placeholder per encoder output token"
                 )
-            h = h.masked_scatter(mask.unsqueeze(-1), emb.to(h.dtype))
-        return h
+            out[pid] = emb
+        return out
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, layout, modality_inputs: dict[str, list[torch.Tensor]]
     ) -> torch.Tensor:
         """Logits for every token of a packed or padded batch."""
-        h = self.merge(input_ids, self.encode(modality_inputs))
-        return self.language.head(self.language(h, positions, layout))
+        return self.language(input_ids, positions, layout, self.inserts(input_ids, self.encode(modality_inputs)))
 
 
 def build_model(

@@ -33,19 +33,25 @@ def _check_language(lay: Layout, cfg: JobConfig) -> None:
             f"language: pp = {lay.pp} exceeds model.language.num_layers = {lm.num_layers}; every pipeline stage "
             f"needs at least one layer"
         )
-    if lay.cp > 1:
-        factor = 2 * lay.cp
+    if lay.sequence_parallel and lay.tp == 1:
+        raise ConfigError("language: sequence_parallel = true needs tp > 1 (it shards tokens over the tp group)")
+    sp = lay.tp if lay.sequence_parallel else 1
+    if lay.cp > 1 or sp > 1:
+        factor = (2 * lay.cp if lay.cp > 1 else 1) * sp
+        what = " · ".join(([f"2·cp = {2 * lay.cp} chunks"] if lay.cp > 1 else []) +
+                          ([f"tp = {lay.tp} sequence-parallel shards"] if sp > 1 else []))
         if cfg.data.pad_to_multiple % factor:
             raise ConfigError(
-                f"language: cp = {lay.cp} splits each sample into 2·cp = {factor} chunks, but "
-                f"data.pad_to_multiple = {cfg.data.pad_to_multiple} is not a multiple of {factor}; "
-                f"set data.pad_to_multiple = {factor * lay.tp}"
+                f"language: each sample is split into {what}, but data.pad_to_multiple = "
+                f"{cfg.data.pad_to_multiple} is not a multiple of {factor}; set data.pad_to_multiple = {factor}"
             )
 
 
 def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
     name = lay.module
     enc = getattr(cfg.model, name)
+    if lay.sequence_parallel:
+        raise ConfigError(f"{name}: sequence_parallel applies to the language model only; remove it from [layout.{name}]")
     if lay.cp > 1:
         raise ConfigError(
             f"{name}: cp = {lay.cp}, but encoders do not use context parallelism; give the {name} encoder "

@@ -23,6 +23,7 @@ class Grid:
         self.shape = tuple(layout.degree(d) for d in DIMS)
         self.ranks = torch.arange(layout.start, layout.start + layout.size).reshape(self.shape)
         self.registry = registry
+        self._root_mesh: DeviceMesh | None = None
 
     @property
     def module(self) -> str:
@@ -69,14 +70,14 @@ class Grid:
         return self.registry.get(self.members(rank, *dims))
 
     def mesh(self, *dims: str, device_type: str = "cpu") -> DeviceMesh:
-        """A DeviceMesh over `dims` for this rank, built from the registry's groups (no new collectives)."""
+        """A DeviceMesh over `dims` for this rank, sliced from the grid's full [pp, dp, cp, tp] mesh so that
+        all of a module's meshes share one root (FSDP2 + TP need that); built from the registry's groups,
+        so no new collective runs."""
         dims = _ordered(dims)
-        rank = dist.get_rank()
-        c = self.coord(rank)
-        index = tuple(slice(None) if d in dims else c[d] for d in DIMS)
-        sub = self.ranks[index]
-        groups = [self.group(d) for d in dims]
-        return DeviceMesh.from_group(groups if len(dims) > 1 else groups[0], device_type, mesh=sub, mesh_dim_names=dims)
+        if self._root_mesh is None or self._root_mesh.device_type != device_type:
+            groups = [self.group(d) for d in DIMS]
+            self._root_mesh = DeviceMesh.from_group(groups, device_type, mesh=self.ranks, mesh_dim_names=DIMS)
+        return self._root_mesh[dims if len(dims) > 1 else dims[0]]
 
 
 class GroupRegistry:

@@ -24,6 +24,7 @@ class Layout:
     cp: int = 1
     pp: int = 1
     dp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def size(self) -> int:
@@ -116,7 +117,7 @@ def _resolve_one(name: str, mc: ModuleLayoutConfig, ranks: range) -> Layout:
                 f"({ranks.start}-{ranks[-1]}); set dp = {n // inner if n % inner == 0 else 'a value that fits'} "
                 f"or omit dp to derive it"
             )
-    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp)
+    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp, mc.sequence_parallel)
 
 
 def _check_placement(layouts: dict[str, Layout], world_size: int) -> None:

@@ -30,11 +30,43 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict):
+    """One-process model: writes the folder directly."""
+    write_checkpoint(path, unique_state_dict(model), _optimizer_tensors(model, optimizer), step, extra)
+
+
+def write_checkpoint(path: str | Path, weights: dict, optimizer_tensors: dict, step: int, extra: dict) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(unique_state_dict(model), path / "model.safetensors")
-    save_file(_optimizer_tensors(model, optimizer), path / "optimizer.safetensors")
+    save_file(weights, path / "model.safetensors")
+    save_file(optimizer_tensors, path / "optimizer.safetensors")
     (path / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2, default=str))
+
+
+def save_sharded_as_full(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str], step: int, extra: dict
+) -> None:
+    """FSDP/TP model: gathers full tensors to rank 0 (collective: every rank calls it), which writes the same
+    folder a one-process run writes, so export, evaluation and one-process resume read it unchanged.
+    `names`: the model's unique state-dict names (tied aliases dropped), taken before parallelisation."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    optim = get_optimizer_state_dict(model, optimizer, options=options)
+    if dist.get_rank() == 0:
+        weights = {k: v.contiguous() for k, v in weights.items() if k in names}
+        moments = {
+            f"{fqn}.{key}": torch.as_tensor(value).contiguous()
+            for fqn, state in optim["state"].items()
+            for key, value in state.items()
+        }
+        write_checkpoint(path, weights, moments, step, extra)
+    dist.barrier()
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:

@@ -78,9 +78,9 @@ def greedy_generate(
     for _ in range(max_new_tokens):
         as_samples = [Sample(s, [False] * len(s), [], []) for s in seqs]
         batch = pack_samples(as_samples, tok.pad_id, backend=backend).to(device)
-        h = model.language(model.merge(batch.input_ids, embeds), batch.positions, batch.layout)
+        logits = model.language(batch.input_ids, batch.positions, batch.layout, model.inserts(batch.input_ids, embeds))
         last = batch.layout.cu_seqlens[1:].long() - 1
-        next_ids = model.language.head(h[last]).argmax(-1).tolist()
+        next_ids = logits[last].argmax(-1).tolist()
         for i, t in enumerate(next_ids):
             if not done[i]:
                 seqs[i].append(t)

@@ -11,17 +11,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: str | Path, total_steps: int, tensorboard: bool, progress: bool) -> None:
+    def __init__(
+        self, out_dir: str | Path, total_steps: int, tensorboard: bool, progress: bool, enabled: bool = True
+    ) -> None:
+        self.enabled = enabled  # one logger per job: other ranks get a silent one
         self.out_dir = Path(out_dir)
+        self.console = Console(stderr=True, quiet=not enabled)
+        self._jsonl, self._tb, self._bar = None, None, None
+        if not enabled:
+            return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.console = Console(stderr=True)
         self._jsonl = (self.out_dir / "metrics.jsonl").open("a")
-        self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
-        self._bar = None
         if progress and sys.stderr.isatty():
             self._bar = Progress(
                 TextColumn("[bold]train"),
@@ -36,6 +40,8 @@ class MetricsLogger:
             self._bar.start()
 
     def log(self, step: int, values: dict[str, float], kind: str = "train") -> None:
+        if not self.enabled:
+            return
         self._jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
@@ -61,4 +67,5 @@ class MetricsLogger:
         self.finish_progress()
         if self._tb is not None:
             self._tb.close()
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from loom.config import TrainConfig
 
@@ -39,11 +41,29 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> flo
     return lr
 
 
+def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients as one vector, over every shard and replica: DTensor gradients are grouped by
+    mesh and reduced by DTensor (sharded dims summed, replicated dims counted once); plain ones are local."""
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
+    total = torch.zeros((), dtype=torch.float64)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total += norm.double().cpu() ** 2
+    return total.sqrt()
+
+
 def clip_and_check(model: nn.Module, max_norm: float) -> tuple[float, bool]:
-    """Global grad norm (before clipping) and whether it is finite; clips only when finite and max_norm > 0."""
+    """Global grad norm (before clipping) and whether it is finite; clips only when finite and max_norm > 0.
+    Every rank computes the same norm, so every rank takes the same decision."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0) if params else torch.tensor(0.0)
-    finite = bool(torch.isfinite(norm))
-    if finite and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, scales their .grad
-    return float(norm), finite
+    norm = float(global_grad_norm(params))
+    finite = math.isfinite(norm)
+    if finite and max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(coef)
+    return norm, finite

@@ -1,147 +1,133 @@
-"""The single-process training loop: build everything from a JobConfig, train, evaluate, checkpoint."""
+"""The training loop: build everything from a JobConfig, train, evaluate, checkpoint — on one process or
+under torchrun with the configured layout (the step code is the same; see loom.train.step)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from loom.config import JobConfig
-from loom.data.batch import Batch, pad_samples
-from loom.data.format import to_sample
-from loom.data.loader import GlobalBatches
-from loom.data.packing import pack_samples
 from loom.data.sample import Sample
-from loom.data.tasks import CHANCE, TaskDataset
+from loom.data.tasks import CHANCE
 from loom.data.tokenizer import ByteTokenizer
-from loom.models.hf import make_module
-from loom.models.multimodal import MultimodalModel, build_model
-from loom.train.checkpoint import load_checkpoint, save_checkpoint
+from loom.train.build import (
+    build_batches,
+    build_datasets,
+    build_job_model,
+    collate,
+    resolve_device,
+    setup_parallel,
+    token_counters,
+)
+from loom.train.checkpoint import load_checkpoint, save_checkpoint, save_sharded_as_full, unique_state_dict
 from loom.train.evaluate import evaluate
-from loom.train.loss import token_loss_sum
 from loom.train.metrics import MetricsLogger
-from loom.train.optim import build_optimizer, clip_and_check, set_lr
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    skipped: bool
-    tokens: int
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-    return torch.device(name)
-
-
-def build_job_model(cfg: JobConfig, tok: ByteTokenizer, pretrained: bool = True) -> MultimodalModel:
-    """The job's model; a module whose `hf` folder is set loads its weights from there when `pretrained`
-    (its sizes were already taken from that folder by load_config). Projectors start from random weights."""
-    m = cfg.model
-    return build_model(
-        m.language,
-        m.vision if "vision" in m.encoders else None,
-        m.audio if "audio" in m.encoders else None,
-        tok.placeholder_ids,
-        make=functools.partial(make_module, pretrained=pretrained),
-    )
-
-
-def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer) -> Batch:
-    d, backend = cfg.data, cfg.model.attention
-    if d.format == "thd":
-        return pack_samples(samples, tok.pad_id, d.pad_to_multiple, backend=backend)
-    return pad_samples(samples, tok.pad_id, d.pad_to_multiple, backend=backend)
+from loom.train.optim import build_optimizer
+from loom.train.step import StepResult, train_step
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, device: torch.device | None = None) -> None:
         self.cfg = cfg
-        torch.manual_seed(cfg.train.seed)
-        self.device = resolve_device(cfg.train.device)
+        torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
+        self.device = device or resolve_device(cfg.train.device)
         self.tok = ByteTokenizer()
         self.model = build_job_model(cfg, self.tok, pretrained=not cfg.run.resume).to(self.device)
-        self.counters = {n: self.model.encoder(n).num_tokens for n in self.model.encoder_names}
+        self.counters = token_counters(self.model)
+        self.weight_names = set(unique_state_dict(self.model))
+        self.plan = setup_parallel(self.model, cfg, self.device)
+        if self.plan.distributed and cfg.run.resume:
+            raise NotImplementedError("run.resume under torchrun is not supported yet; resume on one process")
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.step = 0
-        d = cfg.data
-        sizes = dict(patch_size=cfg.model.vision.patch_size, n_audio_features=cfg.model.audio.num_features)
-        self.train_set = TaskDataset(d.tasks, "train", d.train_size, seed=d.seed, **sizes)
-        self.heldout = TaskDataset(d.tasks, "heldout", d.heldout_size, seed=d.seed, **sizes)
-        self.batches = GlobalBatches(
-            self.train_set, cfg.train.global_batch_size, d.seed, lambda ex: to_sample(ex, self.tok, self.counters)
-        )
+        self.train_set, self.heldout = build_datasets(cfg)
+        self.batches = build_batches(cfg, self.train_set, self.tok, self.counters)
         if cfg.run.resume:
             self.step = load_checkpoint(cfg.run.resume, self.model, self.optimizer)["step"]
 
     def autocast(self):
-        if self.cfg.train.dtype == "bf16":
+        # under FSDP, bf16 comes from its mixed-precision policy; autocast is the one-process way
+        if self.cfg.train.dtype == "bf16" and not self.plan.distributed:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def train_step(self, samples: list[Sample]) -> StepResult:
         batch = collate(samples, self.cfg, self.tok).to(self.device)
-        n_supervised = batch.num_supervised
-        lr = set_lr(self.optimizer, self.step, self.cfg.train)
-        with self.autocast():
-            logits = self.model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
-        loss_sum = token_loss_sum(logits, batch.labels)
-        (loss_sum / max(1, n_supervised)).backward()
-        norm, finite = clip_and_check(self.model, self.cfg.train.grad_clip)
-        if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        result = train_step(self.model, self.optimizer, batch, self.cfg.train, self.step, self.plan.comms,
+                            self.autocast)
         self.step += 1
-        return StepResult(loss_sum.item() / max(1, n_supervised), norm, lr, not finite, sum(len(s) for s in samples))
+        return result
 
     def run(self) -> dict[str, float]:
         cfg, out = self.cfg, Path(self.cfg.run.out_dir)
-        log = MetricsLogger(out, cfg.train.steps, cfg.run.tensorboard, cfg.run.progress)
+        log = MetricsLogger(out, cfg.train.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.plan.is_logger)
         n_params = sum(p.numel() for p in self.model.parameters())
-        log.print(f"loom: {n_params / 1e6:.2f}M parameters on {self.device}, {cfg.train.steps} steps → {out}")
+        where = f"{dist.get_world_size()} ranks" if self.plan.distributed else str(self.device)
+        log.print(f"loom: {n_params / 1e6:.2f}M parameters (this rank's shard) on {where}, "
+                  f"{cfg.train.steps} steps → {out}")
         tokens, t0, final = 0, time.perf_counter(), {}
         try:
             while self.step < cfg.train.steps:
-                r = self.train_step(self.batches.shard(self.step))
-                tokens += r.tokens
+                samples = self.batches.shard(self.step, self.plan.dp_rank, self.plan.dp_size)
+                r = self.train_step(samples)
+                tokens += sum(len(s) for s in samples) * self.plan.dp_size
                 elapsed = time.perf_counter() - t0
                 log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped)})
                 status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}"
                 if r.skipped:
-                    log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped")
+                    log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped on every rank")
                 log.progress(self.step, status, self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.step < cfg.train.steps:
                     log.log(self.step, self.evaluate(), kind="heldout")
                 if cfg.run.save_every and self.step % cfg.run.save_every == 0:
                     self.save(out / f"step-{self.step}")
             log.finish_progress()
+            self.save(out / "final")
             log.print(f"evaluating on {len(self.heldout)} held-out examples …")
             final = self.evaluate()
             log.log(self.step, final, kind="heldout")
-            self.save(out / "final")
             log.print(heldout_report(final, time.perf_counter() - t0))
         finally:
             log.close()
         return final
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out metrics. Under a layout, rank 0 evaluates a one-process copy of the gathered weights
+        (generation needs no collectives then) while the other ranks wait."""
+        model = self.model
+        if self.plan.distributed:
+            model = self._gathered_copy()
+            if dist.get_rank() != 0:
+                dist.barrier()
+                return {}
         examples = [self.heldout[i] for i in range(len(self.heldout))]
         t = self.cfg.train
-        return evaluate(self.model, examples, self.tok, self.counters, self.device, t.eval_max_new_tokens,
-                        self.cfg.model.attention)
+        metrics = evaluate(model, examples, self.tok, self.counters, self.device, t.eval_max_new_tokens,
+                           self.cfg.model.attention)
+        if self.plan.distributed:
+            dist.barrier()
+        return metrics
+
+    def _gathered_copy(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() != 0:
+            return None
+        copy = build_job_model(self.cfg, self.tok, pretrained=False)
+        copy.load_state_dict({k: v for k, v in full.items() if k in self.weight_names}, strict=False)
+        return copy.to(self.device)
 
     def save(self, path: Path) -> None:
-        save_checkpoint(path, self.model, self.optimizer, self.step, {"config": self.cfg.to_dict()})
+        extra = {"config": self.cfg.to_dict()}
+        if self.plan.distributed:
+            save_sharded_as_full(path, self.model, self.optimizer, self.weight_names, self.step, extra)
+        else:
+            save_checkpoint(path, self.model, self.optimizer, self.step, extra)
 
 
 def heldout_report(metrics: dict[str, float], seconds: float) -> str:

@@ -1,0 +1,40 @@
+"""Applies each module's layout to the model from outside: tensor/sequence parallel first, then FSDP2."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from loom.config import ConfigError, JobConfig
+from loom.models.multimodal import MultimodalModel
+from loom.parallel.fsdp import apply_fsdp, mixed_precision
+from loom.parallel.tensor import apply_encoder_tp, apply_llm_tp, tp_unsupported
+from loom.topology import Topology
+
+
+def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_type: str) -> None:
+    """Every module this rank hosts gets its own layout's TP (on the grid's tp mesh) and FSDP (dp mesh)."""
+    me = topo.role()
+    mp = mixed_precision(cfg.train.dtype)
+    for name in (*model.encoder_names, "language"):
+        if not me.hosts(name):
+            continue
+        grid, module = topo.grids[name], model.get_submodule(name)
+        lay = grid.layout
+        if lay.tp > 1:
+            reason = tp_unsupported(module)
+            if reason:
+                raise ConfigError(f"{name}: {reason}")
+            tp_mesh = grid.mesh("tp", device_type=device_type)
+            if name == "language":
+                apply_llm_tp(module, tp_mesh, lay.sequence_parallel, seq_dim=0 if cfg.data.format == "thd" else 1)
+            else:
+                apply_encoder_tp(module, tp_mesh)
+        apply_fsdp(module, _blocks(name, module), grid.mesh("dp", device_type=device_type), mp,
+                   cfg.parallel.reshard_after_forward)
+
+
+def _blocks(name: str, module: nn.Module) -> list[nn.Module]:
+    """The units FSDP gathers one at a time: transformer layers."""
+    if name == "language":
+        return list(module.layers.values())
+    return list(module.encoder.layers)

@@ -1,0 +1,31 @@
+"""FSDP2 over a module's dp group: each block is its own unit (all-gathered just in time), then the root.
+
+Gradients are *summed* over dp (divide factor 1): the loss is already divided by the global token count,
+so a mean over replicas would divide twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    if dtype == "bf16":  # compute in bf16, reduce gradients in fp32, keep fp32 master weights
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool
+) -> None:
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # the root keeps its parameters gathered after forward: the backward needs them at once
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

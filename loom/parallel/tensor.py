@@ -1,0 +1,93 @@
+"""Tensor (+ sequence) parallel plans, applied from outside with DTensor's `parallelize_module`.
+
+LLM: attention heads and KV heads split (q/k/v column-wise, o row-wise), SwiGLU column/row, vocab-parallel
+embedding, and a vocab-sharded LM head whose logits stay a DTensor for loss parallel. With sequence
+parallel the residual stream between blocks is sharded over tokens (dim 0 packed, dim 1 padded): norms
+run on their token shard, each attention/MLP input is all-gathered, each output reduce-scattered.
+Encoders (ViT, Whisper) and projectors: attention heads and MLPs split the same way; their token streams
+stay replicated (patch counts vary per image, so sharding them would need padding — not done yet).
+Parameters no plan names (norms without SP, conv stems, position tables) stay plain tensors and get equal
+gradients on every tp rank because every column-parallel input all-reduces its gradient.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from loom.models.llm import DecoderLM
+from loom.models.multimodal import ModalityEncoder
+
+
+def apply_llm_tp(llm: DecoderLM, mesh: DeviceMesh, sequence_parallel: bool, seq_dim: int) -> None:
+    """`seq_dim`: the token dim of the residual stream (0 for packed [T, D], 1 for padded [B, S, D])."""
+    act = Shard(seq_dim) if sequence_parallel else Replicate()
+    plan = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel(sequence_dim=seq_dim)
+    for name in llm.layers:
+        block = f"layers.{name}"
+        plan.update({
+            f"{block}.self_attn.q_proj": ColwiseParallel(),
+            f"{block}.self_attn.k_proj": ColwiseParallel(),
+            f"{block}.self_attn.v_proj": ColwiseParallel(),
+            f"{block}.self_attn.o_proj": RowwiseParallel(output_layouts=act),
+            f"{block}.mlp.gate_proj": ColwiseParallel(),
+            f"{block}.mlp.up_proj": ColwiseParallel(),
+            f"{block}.mlp.down_proj": RowwiseParallel(output_layouts=act),
+        })
+        if sequence_parallel:
+            plan.update({
+                f"{block}.input_layernorm": SequenceParallel(sequence_dim=seq_dim),
+                f"{block}.post_attention_layernorm": SequenceParallel(sequence_dim=seq_dim),
+                # (h, rope, layout): gather the token shards of h before the projections
+                f"{block}.self_attn": PrepareModuleInput(
+                    input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                f"{block}.mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+            })
+    if sequence_parallel:
+        # the merged (text + modality) embeddings are replicated; the first block takes this rank's token shard
+        first = f"layers.{next(iter(llm.layers))}"
+        plan[first] = PrepareModuleInput(
+            input_layouts=(Replicate(), None, None), desired_input_layouts=(act, None, None), use_local_output=True
+        )
+    parallelize_module(llm, mesh, plan)
+    if llm.cfg.tie_embeddings:  # distributing replaced both parameters; tie them again (same Shard(0) layout)
+        llm.lm_head.weight = llm.embed_tokens.weight
+
+
+def apply_encoder_tp(encoder: ModalityEncoder, mesh: DeviceMesh) -> None:
+    plan = {
+        "projector.linear_1": ColwiseParallel(),
+        "projector.linear_2": RowwiseParallel(),  # output replicated: full LLM-width embeddings
+    }
+    for i in range(len(encoder.encoder.layers)):
+        layer = f"encoder.layers.{i}"
+        plan.update({
+            f"{layer}.self_attn.q_proj": ColwiseParallel(),
+            f"{layer}.self_attn.k_proj": ColwiseParallel(),
+            f"{layer}.self_attn.v_proj": ColwiseParallel(),
+            f"{layer}.self_attn.out_proj": RowwiseParallel(),
+            f"{layer}.mlp.fc1": ColwiseParallel(),
+            f"{layer}.mlp.fc2": RowwiseParallel(),
+        })
+    parallelize_module(encoder, mesh, plan)
+
+
+def tp_unsupported(module: nn.Module) -> str | None:
+    """Why a module cannot be tensor-parallel yet, or None."""
+    if isinstance(module, DecoderLM) and module.cfg.qk_norm:
+        return "QK-norm (Qwen3) under tp > 1 is not supported yet: its per-head norm weights need a tp reduction"
+    return None

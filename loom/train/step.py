@@ -1,0 +1,72 @@
+"""One optimizer step — the same code for the one-process reference and for every layout.
+
+The only difference between them is where the step's reductions go (`StepComms`): the supervised-token
+count and the reported loss are summed over the data replicas, and the LM head's logits may be
+vocab-sharded (loss parallel). Gradient reduction is FSDP's, the grad norm DTensor's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from loom.config import TrainConfig
+from loom.data.batch import Batch
+from loom.train.loss import token_loss_sum
+from loom.train.optim import clip_and_check, set_lr
+
+
+@dataclass
+class StepComms:
+    dp_group: dist.ProcessGroup | None = None  # the LLM's data replicas; None: one process
+    loss_parallel: bool = False  # logits arrive vocab-sharded (LLM tp > 1)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean token loss over the global batch
+    grad_norm: float
+    lr: float
+    skipped: bool
+
+
+def sum_over(value: float | int, group: dist.ProcessGroup | None) -> float:
+    if group is None:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t)
+
+
+def local_value(t: torch.Tensor) -> float:
+    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: TrainConfig,
+    step: int,
+    comms: StepComms,
+    autocast=contextlib.nullcontext,
+) -> StepResult:
+    # every rank divides by the supervised tokens of the *global* batch: gradients then add up over dp
+    n_tokens = max(1.0, sum_over(batch.num_supervised, comms.dp_group))
+    lr = set_lr(optimizer, step, cfg)
+    with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
+        with autocast():
+            logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+        loss_sum = token_loss_sum(logits, batch.labels)
+        (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
+    norm, finite = clip_and_check(model, cfg.grad_clip)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = sum_over(local_value(loss_sum.detach()), comms.dp_group) / n_tokens
+    return StepResult(loss, norm, lr, not finite)
