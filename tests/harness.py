@@ -34,7 +34,6 @@ def _worker(rank: int, world_size: int, port: int, paths: list[str], tasks, resu
     sys.path[:0] = [p for p in paths if p not in sys.path]
     import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     torch.set_num_threads(1)  # N ranks share 2 cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -43,13 +42,11 @@ def _worker(rank: int, world_size: int, port: int, paths: list[str], tasks, resu
         if item is None:
             break
         fn, args, kwargs = item
-        groups_before = set(c10d._world.pg_map)
+        # a test's process groups stay: loom creates each rank set's group once per process and reuses it
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - everything is reported to the test
             results.put((rank, False, traceback.format_exc()))
-        for group in set(c10d._world.pg_map) - groups_before:  # a test's leftover groups
-            dist.destroy_process_group(group)
     dist.destroy_process_group()
     os._exit(0)  # skips interpreter teardown, which sometimes aborts after functional collectives
 

@@ -333,7 +333,7 @@ def test_cli_stray_argument_is_a_usage_error(capsys, no_trainer):
 class _FakeTrainer:
     seen: dict = {}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, device=None):
         _FakeTrainer.seen = {"cfg": cfg}
 
     def run(self):

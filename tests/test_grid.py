@@ -105,19 +105,16 @@ def _groups_touch_expected_ranks(overrides: list[str]) -> dict:
     topo = Topology.build(cfg)
     me = dist.get_rank()
     seen = {}
-    try:
-        for name, grid in topo.grids.items():
-            if not grid.contains(me):
-                continue
-            for dims in all_dim_subsets():
-                group = grid.group(*dims)
-                out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(out, torch.tensor([me]), group=group)
-                seen[(name, dims)] = tuple(int(t) for t in out)
-        mesh = topo.grids["language"].mesh("dp", "tp") if topo.grids["language"].contains(me) else None
-        mesh_shape = tuple(mesh.shape) if mesh is not None else None
-    finally:
-        topo.destroy()
+    for name, grid in topo.grids.items():
+        if not grid.contains(me):
+            continue
+        for dims in all_dim_subsets():
+            group = grid.group(*dims)
+            out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(out, torch.tensor([me]), group=group)
+            seen[(name, dims)] = tuple(int(t) for t in out)
+    mesh = topo.grids["language"].mesh("dp", "tp") if topo.grids["language"].contains(me) else None
+    mesh_shape = tuple(mesh.shape) if mesh is not None else None
     return {"seen": seen, "mesh_shape": mesh_shape, "role": topo.role(me).modules}
 
 

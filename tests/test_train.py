@@ -377,3 +377,33 @@ def test_cli_train_end_to_end(tmp_path, capsys):
     assert state["step"] == 3 and state["config"]["train"]["steps"] == 3
     assert not (out / "tensorboard").exists()
     assert "held-out" in capsys.readouterr().err
+
+
+def test_an_encoder_without_inputs_still_runs_and_gets_zero_grads():
+    """A replica whose samples hold no audio must still run the audio encoder (FSDP collectives need every
+    replica in every module) and receive exact-zero gradients from it."""
+    from loom.data.format import to_sample
+    from loom.data.packing import pack_samples
+    from loom.data.tasks import make_example
+    from loom.data.tokenizer import ByteTokenizer
+    from loom.models.audio import AudioConfig
+    from loom.models.llm import LLMConfig
+    from loom.models.multimodal import build_model
+    from loom.models.vision import VisionConfig
+
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    model = build_model(LLMConfig(hidden_size=32, num_layers=1, intermediate_size=64), VisionConfig(hidden_size=32),
+                        AudioConfig(hidden_size=32), tok.placeholder_ids)
+    counters = {n: model.encoder(n).num_tokens for n in model.encoder_names}
+    ex = make_example("digits", "train", 0, seed=0, patch_size=4, n_audio_features=32)
+    batch = pack_samples([to_sample(ex, tok, counters)], tok.pad_id)
+    assert batch.modality_inputs["audio"] == []
+    calls = []
+    model.audio.encoder.register_forward_hook(lambda *_: calls.append("audio"))
+    logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+    logits.sum().backward()
+    assert calls == ["audio"]
+    for name, p in model.audio.named_parameters():
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0, name
+    assert any(torch.count_nonzero(p.grad) for p in model.vision.parameters())

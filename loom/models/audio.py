@@ -53,6 +53,10 @@ class AudioEncoder(nn.Module):
     def out_dim(self) -> int:
         return self.cfg.hidden_size
 
+    def empty_input(self) -> torch.Tensor:
+        """The smallest valid clip: two frames (one after subsampling)."""
+        return torch.zeros(self.cfg.num_features, 2, device=self.conv1.weight.device)
+
     def num_tokens(self, clip: torch.Tensor) -> int:
         return (clip.shape[-1] + 1) // 2  # conv2: kernel 3, stride 2, padding 1
 

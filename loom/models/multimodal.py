@@ -29,6 +29,11 @@ class ModalityEncoder(nn.Module):
         return self.encoder.num_tokens(item)
 
     def forward(self, items: list[torch.Tensor]) -> torch.Tensor:
+        if not items:
+            # No item of this modality in the batch: run one minimal input anyway and return no rows, so every
+            # replica runs every module each step (FSDP's gathers and reductions need all of them) and the
+            # zero-row output still carries the (zero) gradient back through the encoder.
+            return self.projector(self.encoder([self.encoder.empty_input()]))[:0]
         return self.projector(self.encoder(items))
 
 
@@ -45,8 +50,8 @@ class MultimodalModel(nn.Module):
         return self.get_submodule(name)
 
     def encode(self, modality_inputs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Runs every encoder that has inputs in this batch."""
-        return {n: self.encoder(n)(items) for n, items in modality_inputs.items() if items}
+        """Runs every encoder, also one with no input in this batch (see ModalityEncoder.forward)."""
+        return {n: self.encoder(n)(modality_inputs.get(n, [])) for n in self.encoder_names}
 
     def inserts(self, input_ids: torch.Tensor, modality_embeds: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Placeholder id → embeddings, after checking each modality fills exactly its placeholders."""

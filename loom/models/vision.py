@@ -46,6 +46,11 @@ class VisionEncoder(nn.Module):
     def out_dim(self) -> int:
         return self.cfg.hidden_size
 
+    def empty_input(self) -> torch.Tensor:
+        """The smallest valid image: one patch."""
+        p = self.cfg.patch_size
+        return torch.zeros(self.cfg.channels, p, p, device=self.patch_embedding.weight.device)
+
     def num_tokens(self, image: torch.Tensor) -> int:
         return (image.shape[-2] // self.cfg.patch_size) * (image.shape[-1] // self.cfg.patch_size)
 

@@ -80,15 +80,21 @@ class Grid:
         return self._root_mesh[dims if len(dims) > 1 else dims[0]]
 
 
+# Process-wide: a rank set gets one group for the life of the process. DTensor caches sharding decisions by
+# mesh *equality* (ranks and dim names, not groups), so a second, equal mesh over new groups would be served
+# stale groups; sharing the groups across topologies (tests, `verify` after `train`) rules that out.
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+
 class GroupRegistry:
-    """Creates and owns every process group of every grid.
+    """Creates every process group of every grid, once per process.
 
     All ranks call `build(grids)` with the same grids in the same order; identical rank sets (e.g. two
-    colocated modules with the same layout) share one group. `destroy()` releases them at shutdown.
+    colocated modules with the same layout) share one group. `destroy()` releases them all at shutdown.
     """
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._groups = _GROUPS
 
     def build(self, grids: list[Grid]) -> None:
         me = dist.get_rank()

@@ -79,8 +79,6 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm, diffs, tolerance))
     if plan.is_logger:
         (console or Console(width=170)).print(report(checks, cfg, plan))
-    if plan.topo is not None:
-        plan.topo.destroy()
     return checks
 
 

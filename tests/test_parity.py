@@ -1,0 +1,88 @@
+"""One layout for the whole model (FSDP2 + TP/SP) equals the one-process reference: loss, grad norm and
+post-step weights of every module, over 3 optimizer steps with clipping active, on N gloo ranks.
+
+The default vision + audio + text model and task mix are used (images of different sizes, clips of
+different lengths in every batch). A directed test breaks the global token count and checks that
+verify then fails, so the oracle itself can fail.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch.distributed as dist
+from rich.console import Console
+
+from loom.config import load_config
+
+TOLERANCE = 1e-5
+BASE = ["--train.global_batch_size=16", "--data.train_size=2000"]
+TP = ["--layout.vision.tp={t}", "--layout.audio.tp={t}", "--layout.language.tp={t}"]
+SP = ["--layout.language.sequence_parallel=true"]
+
+
+def tp(t: int) -> list[str]:
+    return [o.format(t=t) for o in TP]
+
+
+def _verify(overrides: list[str], break_token_count: bool = False) -> list[dict]:
+    import loom.train.verify as v
+
+    if break_token_count:  # each replica divides by its own token count instead of the global one
+        setup = v.setup_parallel
+
+        def local_count(*args):
+            plan = setup(*args)
+            plan.comms.dp_group = None
+            return plan
+
+        v.setup_parallel = local_count
+    try:
+        cfg = load_config(None, BASE + overrides, world_size=dist.get_world_size())
+        checks = v.verify(cfg, steps=3, tolerance=TOLERANCE, console=Console(file=io.StringIO()))
+    finally:
+        v.setup_parallel = setup if break_token_count else v.setup_parallel
+    return [
+        {"passed": c.passed, "loss": c.loss_diff, "norm": c.grad_norm_diff, "weights": c.weight_diff,
+         "ref_norm": c.ref_grad_norm, "clip": cfg.train.grad_clip}
+        for c in checks
+    ]
+
+
+# (world size, overrides): dp ∈ {1, 2, 4, 8}, tp ∈ {1, 2, 4}, dp×tp ∈ {2×2, 4×2}, with and without SP
+LAYOUTS = {
+    "dp1": (1, []),
+    "dp2": (2, []),
+    "tp2": (2, tp(2)),
+    "tp2-sp": (2, tp(2) + SP + ["--data.pad_to_multiple=2"]),
+    "dp4": (4, []),
+    "tp4": (4, tp(4) + ["--model.language.num_heads=8", "--model.language.num_kv_heads=4"]),
+    "dp2xtp2": (4, tp(2)),
+    "dp2xtp2-sp-bshd": (4, tp(2) + SP + ["--data.pad_to_multiple=2", "--data.format=bshd"]),
+    "dp8": (8, []),
+    "dp4xtp2": (8, tp(2)),
+    "dp4xtp2-sp": (8, tp(2) + SP + ["--data.pad_to_multiple=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_reference(worlds, name):
+    world, overrides = LAYOUTS[name]
+    per_rank = worlds.run(world, _verify, overrides, timeout=300)
+    for rank, steps in enumerate(per_rank):
+        assert len(steps) == 3
+        for i, s in enumerate(steps):
+            where = f"{name} rank {rank} step {i + 1}"
+            assert s["ref_norm"] > s["clip"], f"{where}: clipping not active"
+            assert s["loss"] <= TOLERANCE and s["norm"] <= TOLERANCE, f"{where}: {s}"
+            assert set(s["weights"]) == {"vision", "audio", "language"}
+            assert max(s["weights"].values()) <= TOLERANCE, f"{where}: {s['weights']}"
+            assert s["passed"]
+
+
+def test_verify_fails_when_the_token_count_is_not_global(worlds):
+    per_rank = worlds.run(2, _verify, [], break_token_count=True, timeout=300)
+    for steps in per_rank:
+        assert not any(s["passed"] for s in steps)
+        assert steps[0]["norm"] > 1e-2  # each replica's gradient is off by its share of the tokens
