@@ -38,7 +38,8 @@ class StepResult:
 def sum_over(value: float | int, group: dist.ProcessGroup | None) -> float:
     if group is None:
         return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"  # NCCL reduces only device tensors
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return float(t)
 

@@ -67,7 +67,7 @@ class Trainer:
         log = MetricsLogger(out, cfg.train.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.plan.is_logger)
         n_params = sum(p.numel() for p in self.model.parameters())
         where = f"{dist.get_world_size()} ranks" if self.plan.distributed else str(self.device)
-        log.print(f"loom: {n_params / 1e6:.2f}M parameters (this rank's shard) on {where}, "
+        log.print(f"loom: {n_params / 1e6:.2f}M parameters on {where}, "
                   f"{cfg.train.steps} steps → {out}")
         tokens, t0, final = 0, time.perf_counter(), {}
         try:
@@ -89,8 +89,9 @@ class Trainer:
             self.save(out / "final")
             log.print(f"evaluating on {len(self.heldout)} held-out examples …")
             final = self.evaluate()
-            log.log(self.step, final, kind="heldout")
-            log.print(heldout_report(final, time.perf_counter() - t0))
+            if final:  # under a layout only rank 0 evaluates
+                log.log(self.step, final, kind="heldout")
+                log.print(heldout_report(final, time.perf_counter() - t0))
         finally:
             log.close()
         return final
