@@ -109,8 +109,8 @@ def report(checks: list[StepCheck], cfg: JobConfig, plan) -> Table:
     if plan.topo is not None:
         layouts = ", ".join(f"{n} {g.layout.describe().split(' on ')[0]}" for n, g in plan.topo.grids.items())
         where = f"{dist.get_world_size()} ranks: {layouts}"
-    table = Table(title=f"loom verify — {where} vs one-process reference ({cfg.train.dtype}, "
-                        f"tolerance {checks[0].tolerance:g} relative)")
+    table = Table(title=f"loom verify — {where} ({cfg.train.dtype}) vs one-process fp32 reference, "
+                        f"tolerance {checks[0].tolerance:g} relative")
     for col in ("step", "loss", "ref loss", "Δ loss", "grad norm", "ref norm", "Δ norm"):
         table.add_column(col, justify="right")
     modules = list(checks[0].weight_diff)
