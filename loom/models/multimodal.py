@@ -33,7 +33,7 @@ class ModalityEncoder(nn.Module):
             # No item of this modality in the batch: run one minimal input anyway and return no rows, so every
             # replica runs every module each step (FSDP's gathers and reductions need all of them) and the
             # zero-row output still carries the (zero) gradient back through the encoder.
-            return self.projector(self.encoder([self.encoder.empty_input()]))[:0]
+            return self.projector(self.encoder([self.encoder.empty_input()]))[:0].clone()  # no view: FSDP warns
         return self.projector(self.encoder(items))
 
 
