@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.models.attention import TokenLayout
-from loom.models.encoder_layer import EncoderLayer
+from loom.models.encoder_layer import EncoderLayer, run_packed
 
 
 @dataclass
@@ -62,12 +61,7 @@ class AudioEncoder(nn.Module):
 
     def forward(self, clips: list[torch.Tensor]) -> torch.Tensor:
         """clips: each [num_features, frames] → [sum of subsampled frames, hidden], clip after clip."""
-        frames = [self._embed(c) for c in clips]
-        layout = TokenLayout.from_lengths([f.shape[0] for f in frames], device=frames[0].device)
-        h = torch.cat(frames)
-        for layer in self.layers:
-            h = layer(h, layout)
-        return self.layer_norm(h)
+        return self.layer_norm(run_packed([self._embed(c) for c in clips], self.layers))
 
     def _embed(self, clip: torch.Tensor) -> torch.Tensor:
         x = clip.unsqueeze(0).to(self.conv1.weight.dtype)

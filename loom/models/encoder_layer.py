@@ -36,3 +36,13 @@ class EncoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         h = h + self.self_attn(self.layer_norm1(h), layout)
         return h + self.mlp(self.layer_norm2(h))
+
+
+def run_packed(pieces: list[torch.Tensor], layers: nn.ModuleList) -> torch.Tensor:
+    """Concatenates each item's token rows into one stream and runs the layers; attention stays inside each
+    item (one packed segment per image or clip), so no item is padded to the largest."""
+    layout = TokenLayout.from_lengths([p.shape[0] for p in pieces], device=pieces[0].device)
+    h = torch.cat(pieces)
+    for layer in layers:
+        h = layer(h, layout)
+    return h

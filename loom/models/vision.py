@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.models.attention import TokenLayout
-from loom.models.encoder_layer import EncoderLayer
+from loom.models.encoder_layer import EncoderLayer, run_packed
 
 
 @dataclass
@@ -56,12 +55,7 @@ class VisionEncoder(nn.Module):
 
     def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
         """images: each [channels, H, W] → patch features [sum of patches, hidden], image after image."""
-        patches = [self._embed(img) for img in images]
-        layout = TokenLayout.from_lengths([p.shape[0] for p in patches], device=patches[0].device)
-        h = torch.cat(patches)
-        for layer in self.layers:
-            h = layer(h, layout)
-        return self.post_layernorm(h)
+        return self.post_layernorm(run_packed([self._embed(img) for img in images], self.layers))
 
     def _embed(self, image: torch.Tensor) -> torch.Tensor:
         x = self.patch_embedding(image.unsqueeze(0).to(self.patch_embedding.weight.dtype))  # [1, D, h, w]
