@@ -46,6 +46,14 @@ class DataConfig:
 
 
 @dataclass
+class ModuleTrainConfig:
+    """[train.<module>]: per-module optimisation."""
+
+    lr_scale: float = 1.0  # this module's lr = train.lr · schedule · lr_scale
+    freeze: bool = False  # no gradients, no optimizer state
+
+
+@dataclass
 class TrainConfig:
     steps: int = 600
     global_batch_size: int = 32
@@ -62,6 +70,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
     eval_max_new_tokens: int = 16
+    vision: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
+    audio: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
+    language: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
 
 
 @dataclass
@@ -97,6 +108,7 @@ class LayoutConfig:
 class ParallelConfig:
     backend: str = choice("auto", "auto", "gloo", "nccl")  # auto: NCCL with CUDA, gloo without
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (less memory)
+    debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks
 
 
 @dataclass
@@ -273,6 +285,11 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "run.save_every": cfg.run.save_every,
         }
     )
+    for name in ("vision", "audio", "language"):
+        if getattr(t, name).lr_scale < 0:
+            raise ConfigError(f"train.{name}.lr_scale = {getattr(t, name).lr_scale} must be ≥ 0")
+    if all(getattr(t, n).freeze for n in ("language", *m.encoders)):
+        raise ConfigError("every module is frozen (train.<module>.freeze = true); nothing would train")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must lie in [0, 1]")
     for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):

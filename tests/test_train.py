@@ -220,7 +220,7 @@ def test_set_lr_sets_every_group(tmp_path):
     t = _trainer(tmp_path, "--train.steps=40", "--train.warmup_steps=4", "--train.lr=3e-3")
     lr = set_lr(t.optimizer, 1, t.cfg.train)
     assert lr == pytest.approx(3e-3 * 2 / 4)
-    assert len(t.optimizer.param_groups) == 2
+    assert len(t.optimizer.param_groups) == 2 * 3  # decay / no-decay, for each of the three modules
     assert all(g["lr"] == pytest.approx(3e-3 * 2 / 4) for g in t.optimizer.param_groups)
     # the trainer reports, and uses, the lr of its step number
     r = t.train_step(t.batches.shard(0))
@@ -230,10 +230,12 @@ def test_set_lr_sets_every_group(tmp_path):
 
 def test_weight_decay_only_on_matrices(tmp_path):
     t = _trainer(tmp_path, "--train.weight_decay=0.05")
-    decay, no_decay = t.optimizer.param_groups
-    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
-    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in no_decay["params"])
-    n = len(decay["params"]) + len(no_decay["params"])
+    n = 0
+    for opt in t.optimizer:
+        decay, no_decay = opt.param_groups
+        assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+        assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in no_decay["params"])
+        n += len(decay["params"]) + len(no_decay["params"])
     assert n == len(list(t.model.parameters()))
 
 
@@ -407,3 +409,16 @@ def test_an_encoder_without_inputs_still_runs_and_gets_zero_grads():
     for name, p in model.audio.named_parameters():
         assert p.grad is not None and torch.count_nonzero(p.grad) == 0, name
     assert any(torch.count_nonzero(p.grad) for p in model.vision.parameters())
+
+
+def test_module_lr_scale_and_freeze(tmp_path):
+    t = _trainer(tmp_path, "--train.steps=40", "--train.warmup_steps=4", "--train.lr=3e-3",
+                 "--train.audio.lr_scale=0.1", "--train.vision.freeze=true")
+    assert set(t.optimizer.by_module) == {"audio", "language"}  # a frozen module gets no optimizer
+    set_lr(t.optimizer, 3, t.cfg.train)
+    assert all(g["lr"] == pytest.approx(3e-3 * 0.1) for g in t.optimizer.by_module["audio"].param_groups)
+    assert all(g["lr"] == pytest.approx(3e-3) for g in t.optimizer.by_module["language"].param_groups)
+    before = {k: v.clone() for k, v in t.model.vision.state_dict().items()}
+    t.train_step(t.batches.shard(0))
+    assert all(p.grad is None for p in t.model.vision.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in t.model.vision.state_dict().items())

@@ -56,10 +56,7 @@ def round_up(n: int, multiple: int) -> int:
 
 def gather_modality_inputs(samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
     """Every sample's modality items, sample after sample: the order their placeholders appear in."""
-    return {
-        "vision": [img for s in samples for img in s.images],
-        "audio": [clip for s in samples for clip in s.audio],
-    }
+    return {m: [item for s in samples for item in s.items(m)] for m in MODALITIES}
 
 
 def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backend: str = "auto") -> Batch:

@@ -30,3 +30,7 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def items(self, modality: str) -> list[torch.Tensor]:
+        """This sample's inputs of one modality ("vision" or "audio"), in placeholder order."""
+        return {"vision": self.images, "audio": self.audio}[modality]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from loom.bridge.colocated import ColocatedBridge
 from loom.config import ConfigError, JobConfig
 from loom.data.batch import Batch, pad_samples
 from loom.data.format import TokenCounter, to_sample
@@ -20,7 +21,8 @@ from loom.models.hf import make_module
 from loom.models.multimodal import MultimodalModel, build_model
 from loom.parallel import parallelize
 from loom.topology import Topology
-from loom.train.step import StepComms
+from loom.train.optim import freeze_modules
+from loom.train.step import StepBatch, StepComms
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,13 +37,15 @@ def build_job_model(cfg: JobConfig, tok: ByteTokenizer, pretrained: bool = True)
     """The job's model; a module whose `hf` folder is set loads its weights from there when `pretrained`
     (its sizes were already taken from that folder by load_config). Projectors start from random weights."""
     m = cfg.model
-    return build_model(
+    model = build_model(
         m.language,
         m.vision if "vision" in m.encoders else None,
         m.audio if "audio" in m.encoders else None,
         tok.placeholder_ids,
         make=functools.partial(make_module, pretrained=pretrained),
     )
+    freeze_modules(model, [*model.encoder_names, "language"], cfg.train)
+    return model
 
 
 def token_counters(model: MultimodalModel) -> dict[str, TokenCounter]:
@@ -70,12 +74,13 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer) -> Batch:
 
 @dataclass
 class RankPlan:
-    """What the layout gives this rank: its groups, its share of each global batch, its step reductions."""
+    """What the layouts give this rank: its groups, each module's share of every global batch (its dp
+    coordinate and degree), the bridges from each encoder to the LLM, and the step's reductions."""
 
     topo: Topology | None
     comms: StepComms
-    dp_rank: int = 0
-    dp_size: int = 1
+    shares: dict[str, tuple[int, int]]  # module → (dp rank, dp size)
+    bridges: dict[str, ColocatedBridge] = field(default_factory=dict)
 
     @property
     def distributed(self) -> bool:
@@ -87,28 +92,40 @@ class RankPlan:
 
 
 def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device) -> RankPlan:
-    """One process: nothing to do. Under torchrun: build every group, then apply each module's layout."""
+    """One process: nothing to do. Under torchrun: build every group, apply each module's layout, and build
+    the bridges."""
+    modules = [*model.encoder_names, "language"]
     if not dist.is_initialized():
-        return RankPlan(None, StepComms())
+        return RankPlan(None, StepComms(), {m: (0, 1) for m in modules})
     topo = Topology.build(cfg)
-    _require_one_layout(topo)
+    _require_supported(topo)
     parallelize(model, topo, cfg, device.type)
-    grid = topo.grids["language"]
-    lay = grid.layout
-    return RankPlan(
-        topo, StepComms(grid.group("dp"), loss_parallel=lay.tp > 1), grid.coord(dist.get_rank())["dp"], lay.dp
-    )
+    me = dist.get_rank()
+    lang = topo.grids["language"]
+    shares = {m: (topo.grids[m].coord(me)["dp"], topo.grids[m].layout.dp) for m in modules}
+    bridges = {
+        m: ColocatedBridge(topo.grids[m], lang, cfg.train.global_batch_size, cfg.parallel.debug_checks)
+        for m in model.encoder_names
+    }
+    return RankPlan(topo, StepComms(lang.group("dp"), loss_parallel=lang.layout.tp > 1), shares, bridges)
 
 
-def _require_one_layout(topo: Topology) -> None:
-    """Until the bridge exists, every module must be split exactly like the LLM (same replicas, same samples)."""
-    lang = topo.grids["language"].layout
+def step_batch(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: ByteTokenizer,
+               counters: dict[str, TokenCounter], device: torch.device) -> StepBatch:
+    """This rank's inputs of global batch `step`: the LLM's share as tokens, each encoder's share as items."""
+    llm_samples = batches.shard(step, *plan.shares["language"])
+    items, rows = {}, {}
+    for name, counter in counters.items():
+        samples = llm_samples if plan.shares[name] == plan.shares["language"] else batches.shard(step, *plan.shares[name])
+        items[name] = [item.to(device) for s in samples for item in s.items(name)]
+        rows[name] = [sum(counter(item) for item in s.items(name)) for s in samples]
+    return StepBatch(collate(llm_samples, cfg, tok).to(device), items, rows, sum(len(s) for s in llm_samples))
+
+
+def _require_supported(topo: Topology) -> None:
+    if not topo.placement.colocated:
+        raise ConfigError("non-colocated placement validates and plans, but training it is not built yet")
     for name, grid in topo.grids.items():
-        lay = grid.layout
-        if (lay.start, lay.tp, lay.cp, lay.pp, lay.dp) != (lang.start, lang.tp, lang.cp, lang.pp, lang.dp):
-            raise ConfigError(
-                f"{name} is laid out {lay.describe()} but language {lang.describe()}; training currently needs "
-                f"every module on the same layout (per-module layouts arrive with the bridge)"
-            )
-    if lang.cp > 1 or lang.pp > 1:
-        raise ConfigError(f"language: cp = {lang.cp}, pp = {lang.pp}; context and pipeline parallelism are not built yet")
+        if grid.layout.cp > 1 or grid.layout.pp > 1:
+            raise ConfigError(f"{name}: cp = {grid.layout.cp}, pp = {grid.layout.pp}; context and pipeline "
+                              f"parallelism are not built yet")

@@ -57,7 +57,7 @@ def save_sharded_as_full(
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
-    optim = get_optimizer_state_dict(model, optimizer, options=options)
+    optim = get_optimizer_state_dict(model, _optimizers(optimizer), options=options)
     if dist.get_rank() == 0:
         weights = {k: v.contiguous() for k, v in weights.items() if k in names}
         moments = {
@@ -94,9 +94,15 @@ def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
     return out
 
 
-def _load_optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict) -> None:
+def _load_optimizer_tensors(model: nn.Module, optimizer, tensors: dict) -> None:
+    """`optimizer`: a torch optimizer or a ModuleOptimizers; each parameter's moments go to the one owning it."""
+    owners = {id(p): opt for opt in _optimizers(optimizer) for g in opt.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
         state = {k: tensors[f"{name}.{k}"].to(p.device) for k in OPTIMIZER_KEYS if f"{name}.{k}" in tensors}
-        if state:
-            optimizer.state[p] = state
+        if state and id(p) in owners:
+            owners[id(p)].state[p] = state
+
+
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 

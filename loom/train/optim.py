@@ -12,15 +12,52 @@ from torch.distributed.tensor import DTensor
 from loom.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(module: nn.Module, cfg: TrainConfig, lr_scale: float = 1.0) -> torch.optim.AdamW:
+    params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]  # norms, biases and gains are not decayed
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": cfg.weight_decay, "lr_scale": lr_scale},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": lr_scale},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+class ModuleOptimizers:
+    """One AdamW per trained module (keyed by module name), each on the shared schedule times the module's
+    lr_scale. Frozen modules get none. Steps, zeroing and the lr go to all of them together."""
+
+    def __init__(self, model: nn.Module, modules: list[str], cfg: TrainConfig) -> None:
+        self.by_module = {
+            name: build_optimizer(model.get_submodule(name), cfg, getattr(cfg, name).lr_scale)
+            for name in modules
+            if not getattr(cfg, name).freeze
+        }
+
+    def __iter__(self):
+        return iter(self.by_module.values())
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: st for opt in self for p, st in opt.state.items()}
+
+    def step(self) -> None:
+        for opt in self:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def freeze_modules(model: nn.Module, modules: list[str], cfg: TrainConfig) -> None:
+    for name in modules:
+        if getattr(cfg, name).freeze:
+            model.get_submodule(name).requires_grad_(False)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

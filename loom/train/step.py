@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from loom.config import TrainConfig
 from loom.data.batch import Batch
+from loom.models.multimodal import MultimodalModel
 from loom.train.loss import token_loss_sum
 from loom.train.optim import clip_and_check, set_lr
 
@@ -25,6 +26,21 @@ from loom.train.optim import clip_and_check, set_lr
 class StepComms:
     dp_group: dist.ProcessGroup | None = None  # the LLM's data replicas; None: one process
     loss_parallel: bool = False  # logits arrive vocab-sharded (LLM tp > 1)
+
+
+@dataclass
+class StepBatch:
+    """One rank's inputs for one step: the LLM's share as a batch, each encoder's share as its items."""
+
+    llm: Batch
+    encoder_items: dict[str, list[torch.Tensor]]  # per encoder, in placeholder order of its share
+    rows_per_sample: dict[str, list[int]]  # per encoder: modality tokens of each sample of its share
+    tokens: int  # real tokens of the LLM share (padding excluded)
+
+    @staticmethod
+    def of(batch: Batch, rows_per_sample: dict[str, list[int]] | None = None, tokens: int = 0) -> StepBatch:
+        """Every module reads the same samples (one process, or one layout): the batch's own items."""
+        return StepBatch(batch, batch.modality_inputs, rows_per_sample or {}, tokens)
 
 
 @dataclass
@@ -48,21 +64,33 @@ def local_value(t: torch.Tensor) -> float:
     return float(t.full_tensor() if isinstance(t, DTensor) else t)
 
 
+def forward(model: MultimodalModel, inputs: StepBatch, bridges: dict | None = None) -> torch.Tensor:
+    """Each encoder on its own share, its rows moved to the LLM's share by its bridge, then the LLM."""
+    ids = inputs.llm.input_ids
+    embeds = {}
+    for name in model.encoder_names:
+        rows = model.encoder(name)(inputs.encoder_items.get(name, []))
+        embeds[name] = bridges[name](rows, inputs.rows_per_sample[name]) if bridges else rows
+    return model.language(ids, inputs.llm.positions, inputs.llm.layout, model.inserts(ids, embeds))
+
+
 def train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
+    model: MultimodalModel,
+    optimizer,
+    inputs: StepBatch,
     cfg: TrainConfig,
     step: int,
     comms: StepComms,
+    bridges: dict | None = None,
     autocast=contextlib.nullcontext,
 ) -> StepResult:
+    batch = inputs.llm
     # every rank divides by the supervised tokens of the *global* batch: gradients then add up over dp
     n_tokens = max(1.0, sum_over(batch.num_supervised, comms.dp_group))
     lr = set_lr(optimizer, step, cfg)
     with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
         with autocast():
-            logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+            logits = forward(model, inputs, bridges)
         loss_sum = token_loss_sum(logits, batch.labels)
         (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
     norm, finite = clip_and_check(model, cfg.grad_clip)

@@ -21,13 +21,14 @@ from loom.train.build import (
     collate,
     resolve_device,
     setup_parallel,
+    step_batch,
     token_counters,
 )
 from loom.train.checkpoint import load_checkpoint, save_checkpoint, save_sharded_as_full, unique_state_dict
 from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
-from loom.train.optim import build_optimizer
-from loom.train.step import StepResult, train_step
+from loom.train.optim import ModuleOptimizers
+from loom.train.step import StepBatch, StepResult, train_step
 
 
 class Trainer:
@@ -42,7 +43,7 @@ class Trainer:
         self.plan = setup_parallel(self.model, cfg, self.device)
         if self.plan.distributed and cfg.run.resume:
             raise NotImplementedError("run.resume under torchrun is not supported yet; resume on one process")
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = ModuleOptimizers(self.model, [*self.model.encoder_names, "language"], cfg.train)
         self.step = 0
         self.train_set, self.heldout = build_datasets(cfg)
         self.batches = build_batches(cfg, self.train_set, self.tok, self.counters)
@@ -55,10 +56,16 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, samples: list[Sample]) -> StepResult:
-        batch = collate(samples, self.cfg, self.tok).to(self.device)
-        result = train_step(self.model, self.optimizer, batch, self.cfg.train, self.step, self.plan.comms,
-                            self.autocast)
+    def train_step(self, samples: list[Sample] | None = None) -> StepResult:
+        """One optimizer step on this rank's shares of global batch `self.step` — or, on one process, on
+        the given samples."""
+        if samples is None:
+            inputs = step_batch(self.batches, self.step, self.plan, self.cfg, self.tok, self.counters, self.device)
+        else:
+            inputs = StepBatch.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
+        self.last_tokens = inputs.tokens
+        result = train_step(self.model, self.optimizer, inputs, self.cfg.train, self.step, self.plan.comms,
+                            self.plan.bridges, self.autocast)
         self.step += 1
         return result
 
@@ -72,9 +79,8 @@ class Trainer:
         tokens, t0, final = 0, time.perf_counter(), {}
         try:
             while self.step < cfg.train.steps:
-                samples = self.batches.shard(self.step, self.plan.dp_rank, self.plan.dp_size)
-                r = self.train_step(samples)
-                tokens += sum(len(s) for s in samples) * self.plan.dp_size
+                r = self.train_step()
+                tokens += self.last_tokens * self.plan.shares["language"][1]
                 elapsed = time.perf_counter() - t0
                 log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped)})
                 status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}"

@@ -25,10 +25,11 @@ from loom.train.build import (
     collate,
     resolve_device,
     setup_parallel,
+    step_batch,
     token_counters,
 )
-from loom.train.optim import build_optimizer
-from loom.train.step import StepComms, train_step
+from loom.train.optim import ModuleOptimizers
+from loom.train.step import StepBatch, StepComms, train_step
 
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
 
@@ -66,14 +67,15 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     reference = copy.deepcopy(model)  # same weights, never parallelised, fp32
     counters = token_counters(reference)
     plan = setup_parallel(model, cfg, device)
-    optimizer, ref_optimizer = build_optimizer(model, cfg.train), build_optimizer(reference, cfg.train)
+    modules = [*model.encoder_names, "language"]
+    optimizer, ref_optimizer = ModuleOptimizers(model, modules, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
     train_set, _ = build_datasets(cfg)
     batches = build_batches(cfg, train_set, tok, counters)
     checks = []
     for step in range(steps):
-        mine = collate(batches.shard(step, plan.dp_rank, plan.dp_size), cfg, tok).to(device)
-        full = collate(batches.shard(step), cfg, tok).to(device)
-        r = train_step(model, optimizer, mine, cfg.train, step, plan.comms)
+        mine = step_batch(batches, step, plan, cfg, tok, counters, device)
+        full = StepBatch.of(collate(batches.shard(step), cfg, tok).to(device))
+        r = train_step(model, optimizer, mine, cfg.train, step, plan.comms, plan.bridges)
         ref = train_step(reference, ref_optimizer, full, cfg.train, step, StepComms())
         diffs = weight_differences(full_weights(model, plan.distributed), reference)
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm, diffs, tolerance))

@@ -1,0 +1,123 @@
+"""The colocated bridge: modality embeddings from an encoder's data-parallel shards to the LLM's.
+
+Both grids span the same ranks, tp fastest, so a replica of either module is a contiguous block of ranks.
+The module with fewer replicas has the larger blocks, and each of its blocks holds whole replicas of the
+other module:
+- fan-in (encoder dp > LLM dp): an LLM replica needs the rows of the k encoder replicas inside its block.
+  Forward gathers them; backward narrows the (replicated) gradient back to this rank's rows.
+- fan-out (encoder dp < LLM dp): an encoder replica's rows cover k LLM replicas. Forward narrows to this
+  rank's LLM replica; backward gathers the k replicas' gradients back into the encoder's order.
+- equal: the replicas coincide; nothing moves.
+Rows are ragged — samples carry different numbers of modality tokens — so only flat [rows, hidden] tensors
+move: each replica's first rank sends its rows to every rank of the block (all_to_all_single with uneven
+splits), the other ranks send none, and row counts are exchanged first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from loom.topology.grid import Grid
+
+
+def exchange_rows(x: torch.Tensor, send: bool, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int]]:
+    """Every sender's rows, concatenated in group-rank order, on every rank of the group; and the row count
+    each member contributed (0 for non-senders)."""
+    size = dist.get_world_size(group)
+    n = x.shape[0] if send else 0
+    counts = torch.zeros(size, dtype=torch.int64, device=x.device)
+    mine = torch.tensor([n], dtype=torch.int64, device=x.device)
+    dist.all_gather_into_tensor(counts, mine, group=group)
+    counts = counts.tolist()
+    payload = x if send else x[:0]
+    out = x.new_empty((sum(counts), *x.shape[1:]))
+    dist.all_to_all_single(
+        out, payload.repeat(size, *([1] * (x.dim() - 1))).contiguous(), counts, [n] * size, group=group
+    )
+    return out, counts
+
+
+class _GatherRows(torch.autograd.Function):
+    """forward: gather the senders' rows; backward: this rank's slice of the gradient (no communication:
+    every rank of the block holds the same full gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: bool, group: dist.ProcessGroup) -> torch.Tensor:
+        out, counts = exchange_rows(x, send, group)
+        ctx.offset = sum(counts[: dist.get_group_rank(group, dist.get_rank())])
+        ctx.rows = x.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.offset : ctx.offset + ctx.rows], None, None
+
+
+class _NarrowRows(torch.autograd.Function):
+    """forward: rows [start, start + length) of this rank's encoder output; backward: gather every LLM
+    replica's gradient rows (one sender per replica) back into the encoder replica's full order."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, length: int, send_grad: bool, group: dist.ProcessGroup):
+        ctx.send_grad, ctx.group, ctx.rows = send_grad, group, x.shape[0]
+        return x[start : start + length].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        full, _ = exchange_rows(grad.contiguous(), ctx.send_grad, ctx.group)
+        if full.shape[0] != ctx.rows:
+            raise RuntimeError(f"bridge backward gathered {full.shape[0]} gradient rows for {ctx.rows} embeddings")
+        return full, None, None, None, None
+
+
+class ColocatedBridge:
+    """Moves one encoder's embeddings to the LLM's layout on this rank; built once, at start-up."""
+
+    def __init__(self, src: Grid, dst: Grid, global_batch: int, debug_checks: bool = False) -> None:
+        if src.layout.ranks != dst.layout.ranks:
+            raise ValueError(f"{src.module} and {dst.module} are not colocated")
+        self.src, self.dst = src, dst
+        self.debug_checks = debug_checks
+        me = dist.get_rank()
+        self.src_dp, self.dst_dp = src.layout.dp, dst.layout.dp
+        self.src_coord, self.dst_coord = src.coord(me), dst.coord(me)
+        self.src_share, self.dst_share = global_batch // self.src_dp, global_batch // self.dst_dp
+        if self.src_dp > self.dst_dp:  # fan-in: the block is the LLM replica
+            self.mode = "fan-in"
+            self.group = dst.group("tp", "cp")
+            self.send = src.coord(me)["tp"] == 0
+        elif self.src_dp < self.dst_dp:  # fan-out: the block is the encoder replica
+            self.mode = "fan-out"
+            self.group = src.group("tp")
+            self.send = self.dst_coord["tp"] == 0 and self.dst_coord["cp"] == 0
+        else:
+            self.mode, self.group, self.send = "equal", None, True
+
+    def __call__(self, rows: torch.Tensor, rows_per_sample: list[int]) -> torch.Tensor:
+        """rows: this rank's encoder output ([rows, hidden], sample after sample, its encoder replica's
+        samples); rows_per_sample: each of those samples' row count. Returns the rows of the LLM replica's
+        samples, in sample order."""
+        if self.debug_checks:
+            check_replicated(rows, self.src.group("tp"), f"{self.src.module} encoder")
+        if self.mode == "equal":
+            return rows
+        if self.mode == "fan-in":
+            return _GatherRows.apply(rows, self.send, self.group)
+        # fan-out: the LLM replica's samples are a contiguous run inside the encoder replica's samples
+        first = self.dst_coord["dp"] * self.dst_share - self.src_coord["dp"] * self.src_share
+        start = sum(rows_per_sample[:first])
+        length = sum(rows_per_sample[first : first + self.dst_share])
+        return _NarrowRows.apply(rows, start, length, self.send, self.group)
+
+
+def check_replicated(x: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
+    """Debug check: `x` must be bit-identical on every rank of `group` (an encoder's TP ranks)."""
+    if dist.get_world_size(group) == 1:
+        return
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, x.detach().contiguous(), group=group)
+    for i, other in enumerate(gathered):
+        if not torch.equal(other, gathered[0]):
+            diff = float((other.float() - gathered[0].float()).abs().max())
+            raise RuntimeError(f"{what}: output differs between its tp ranks (rank {i} of the group, max |Δ| {diff:g})")
