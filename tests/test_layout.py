@@ -87,6 +87,10 @@ INVALID = [
      ["[layout.audio]", "no audio module"]),
     (4, ["--layout.world_size=8"], ["layout.world_size = 8", "4 ranks"]),
     (4, ["--layout.language.sp=2"], ["unknown config key 'layout.language.sp'"]),
+    (12, ["--layout.vision.tp=3", "--layout.language.tp=4", "--train.global_batch_size=12",
+          "--model.vision.num_heads=3", "--model.vision.hidden_size=96", "--model.vision.intermediate_size=192",
+          "--model.language.num_heads=4", "--model.language.num_kv_heads=4"],
+     ["vision: dp = 4 and language dp = 3", "one must divide the other"]),
 ]
 
 

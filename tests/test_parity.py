@@ -1,5 +1,6 @@
-"""One layout for the whole model (FSDP2 + TP/SP) equals the one-process reference: loss, grad norm and
-post-step weights of every module, over 3 optimizer steps with clipping active, on N gloo ranks.
+"""Every layout equals the one-process reference: loss, grad norm and post-step weights of every module, over
+3 optimizer steps with clipping active, on N gloo ranks — one layout for all modules (FSDP2 + TP/SP), and a
+layout per module joined by the colocated bridge (fan-in, fan-out, a frozen encoder).
 
 The default vision + audio + text model and task mix are used (images of different sizes, clips of
 different lengths in every batch). A directed test breaks the global token count and checks that
@@ -63,6 +64,13 @@ LAYOUTS = {
     "dp8": (8, []),
     "dp4xtp2": (8, tp(2)),
     "dp4xtp2-sp": (8, tp(2) + SP + ["--data.pad_to_multiple=2"]),
+    # a layout per module on the same ranks, joined by the colocated bridge
+    "fan-in": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),  # vision dp4 → LLM dp2
+    "fan-out": (4, ["--layout.vision.tp=4"]),  # vision dp1 → LLM dp4
+    "fan-in-frozen-vision": (4, ["--layout.vision.tp=1", "--layout.language.tp=2", "--train.vision.freeze=true"]),
+    "vision-dp8-audio-tp2-llm-tp4": (8, ["--layout.vision.tp=1", "--layout.audio.tp=2", "--layout.language.tp=4",
+                                         "--model.language.num_heads=8", "--model.language.num_kv_heads=4",
+                                         "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=4"]),
 }
 
 

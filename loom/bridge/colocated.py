@@ -43,15 +43,16 @@ class _GatherRows(torch.autograd.Function):
     every rank of the block holds the same full gradient)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: bool, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, send: bool, sender_index: int, group: dist.ProcessGroup) -> torch.Tensor:
+        """sender_index: group rank of the member that sends this rank's replica (its first rank)."""
         out, counts = exchange_rows(x, send, group)
-        ctx.offset = sum(counts[: dist.get_group_rank(group, dist.get_rank())])
+        ctx.offset = sum(counts[:sender_index])
         ctx.rows = x.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.offset : ctx.offset + ctx.rows], None, None
+        return grad[ctx.offset : ctx.offset + ctx.rows], None, None, None
 
 
 class _NarrowRows(torch.autograd.Function):
@@ -86,7 +87,9 @@ class ColocatedBridge:
         if self.src_dp > self.dst_dp:  # fan-in: the block is the LLM replica
             self.mode = "fan-in"
             self.group = dst.group("tp", "cp")
-            self.send = src.coord(me)["tp"] == 0
+            self.send = self.src_coord["tp"] == 0
+            # encoder replicas are contiguous runs of ranks (tp fastest): the first one of mine sends
+            self.sender_index = dist.get_group_rank(self.group, me) - self.src_coord["tp"]
         elif self.src_dp < self.dst_dp:  # fan-out: the block is the encoder replica
             self.mode = "fan-out"
             self.group = src.group("tp")
@@ -103,7 +106,7 @@ class ColocatedBridge:
         if self.mode == "equal":
             return rows
         if self.mode == "fan-in":
-            return _GatherRows.apply(rows, self.send, self.group)
+            return _GatherRows.apply(rows, self.send, self.sender_index, self.group)
         # fan-out: the LLM replica's samples are a contiguous run inside the encoder replica's samples
         first = self.dst_coord["dp"] * self.dst_share - self.src_coord["dp"] * self.src_share
         start = sum(rows_per_sample[:first])

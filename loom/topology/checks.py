@@ -11,7 +11,14 @@ from loom.topology.layout import Layout, Placement
 
 
 def check_placement(placement: Placement, cfg: JobConfig) -> None:
+    lang = placement.layouts["language"]
     for name, lay in placement.layouts.items():
+        if name != "language" and lay.ranks == lang.ranks and lay.dp % lang.dp and lang.dp % lay.dp:
+            raise ConfigError(
+                f"{name}: dp = {lay.dp} and language dp = {lang.dp} on the same ranks: one must divide the other, "
+                f"so that each replica of one module holds whole replicas of the other (the bridge moves rows "
+                f"only inside such blocks)"
+            )
         if name == "language":
             _check_language(lay, cfg)
         else:
