@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 from loom.config import ConfigError, load_config
+
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.toml")  # what `loom train` runs with no CONFIG
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loom", description="Multimodal training with a layout per module.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (defaults: the tiny vision+audio+text model on CPU)")
-    train.add_argument("config", nargs="?", help="TOML job config; omitted: built-in defaults")
+    train.add_argument("config", nargs="?", help="TOML job config; omitted: loom's default job (loom/default.toml)")
     verify = sub.add_parser("verify", help="run the layout and the one-process reference side by side and compare")
-    verify.add_argument("config", nargs="?", help="TOML job config")
+    verify.add_argument("config", nargs="?", help="TOML job config; omitted: loom's default job")
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     verify.add_argument("--tolerance", type=float, default=None,
                         help="max relative difference (default 1e-5 in fp32, 3e-2 in bf16)")
@@ -38,15 +43,29 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in overrides if not o.startswith("--")]
     if bad:
         parser.error(f"unexpected arguments {bad}; overrides look like --train.steps=50")
-    world_size = args.world_size if args.command == "plan" else int(os.environ.get("WORLD_SIZE", "1"))
+    launched = "WORLD_SIZE" in os.environ  # under torchrun (or another launcher)
+    world_size = args.world_size if args.command == "plan" else (int(os.environ["WORLD_SIZE"]) if launched else None)
+    config = args.config or str(DEFAULT_CONFIG)
     try:
-        cfg = load_config(args.config, overrides, world_size)
+        cfg = load_config(config, overrides, world_size)
         if args.command == "plan":
             return _plan(cfg, args)
     except ConfigError as e:
         print(f"loom: config error: {e}", file=sys.stderr)
         return 2
+    if not launched and cfg.layout.world_size > 1:
+        return launch_local(cfg.layout.world_size, [args.command, config, *overrides])
     return _run(args, cfg)
+
+
+def launch_local(n_ranks: int, loom_args: list[str]) -> int:
+    """A config that asks for N ranks, started without a launcher: start N local ranks with torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}",
+           "-m", "loom", *loom_args]
+    print(f"loom: starting {n_ranks} local ranks: torchrun --standalone --nproc-per-node={n_ranks} -m loom "
+          f"{' '.join(loom_args)}", file=sys.stderr)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
 
 
 def _run(args, cfg) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -26,6 +27,8 @@ def init_distributed(backend: str = "auto") -> torch.device:
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    # DTensor warns that a norm over (dp, tp) takes two all-reduces; true, and cheap at the sizes that do it
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if launched_world_size() > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     return device

@@ -351,11 +351,12 @@ def test_cli_space_separated_override_after_a_config_file(tmp_path, monkeypatch)
     assert _FakeTrainer.seen["ran"] and cfg.train.steps == 12 and cfg.train.dtype == "bf16" and cfg.train.lr == 1e-2
 
 
-def test_cli_space_separated_override_without_a_config_file(monkeypatch, capsys):
-    import loom.train.trainer
-
-    monkeypatch.setattr(loom.train.trainer, "Trainer", _FakeTrainer)
+def test_cli_without_a_config_launches_the_default_job_on_its_ranks(monkeypatch, capsys):
+    """No CONFIG: the default job (4 ranks) is validated here, then started with torchrun; space-separated
+    overrides reach the ranks joined."""
+    launched = {}
+    monkeypatch.setattr(loom.cli, "launch_local", lambda n, args: launched.update(n=n, args=args) or 0)
     code = loom.cli.main(["train", "--train.steps", "12", "--train.lr=3e-4"])
     assert code == 0, capsys.readouterr().err
-    cfg = _FakeTrainer.seen["cfg"]
-    assert cfg.train.steps == 12 and cfg.train.lr == 3e-4
+    assert launched["n"] == 4
+    assert launched["args"] == ["train", str(loom.cli.DEFAULT_CONFIG), "--train.steps=12", "--train.lr=3e-4"]

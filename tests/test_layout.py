@@ -108,4 +108,4 @@ def test_layout_errors_come_before_any_model_is_built(monkeypatch):
     monkeypatch.setattr(mm, "build_model", lambda *a, **k: pytest.fail("model built before validation"))
     from loom.cli import main
 
-    assert main(["plan", "--world-size=8", "--layout.language.tp=3"]) == 2
+    assert main(["plan", "configs/tiny.toml", "--world-size=8", "--layout.language.tp=3"]) == 2

@@ -363,7 +363,7 @@ def test_bf16_step(tmp_path):
 
 def test_cli_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    code = loom.cli.main(["train", "--train.steps=3", "--data.heldout_size=6", f"--run.out_dir={out}",
+    code = loom.cli.main(["train", "configs/tiny.toml", "--train.steps=3", "--data.heldout_size=6", f"--run.out_dir={out}",
                           "--run.tensorboard=false", "--train.eval_max_new_tokens=4"])
     assert code == 0
     assert (out / "final" / "model.safetensors").is_file()
@@ -422,3 +422,14 @@ def test_module_lr_scale_and_freeze(tmp_path):
     t.train_step(t.batches.shard(0))
     assert all(p.grad is None for p in t.model.vision.parameters())
     assert all(torch.equal(v, before[k]) for k, v in t.model.vision.state_dict().items())
+
+
+def test_default_job_runs_on_four_local_ranks(tmp_path):
+    """`loom train` with no CONFIG starts 4 ranks itself and trains the heterogeneous default layout."""
+    out = tmp_path / "run"
+    code = loom.cli.main(["train", "--train.steps=2", "--data.heldout_size=3", f"--run.out_dir={out}",
+                          "--run.tensorboard=false", "--train.eval_max_new_tokens=2", "--run.progress=false"])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert (out / "final" / "model.safetensors").is_file()

@@ -26,10 +26,9 @@ def exchange_rows(x: torch.Tensor, send: bool, group: dist.ProcessGroup) -> tupl
     each member contributed (0 for non-senders)."""
     size = dist.get_world_size(group)
     n = x.shape[0] if send else 0
-    counts = torch.zeros(size, dtype=torch.int64, device=x.device)
-    mine = torch.tensor([n], dtype=torch.int64, device=x.device)
-    dist.all_gather_into_tensor(counts, mine, group=group)
-    counts = counts.tolist()
+    gathered = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(size)]
+    dist.all_gather(gathered, torch.tensor([n], dtype=torch.int64, device=x.device), group=group)
+    counts = [int(c) for c in gathered]
     payload = x if send else x[:0]
     out = x.new_empty((sum(counts), *x.shape[1:]))
     dist.all_to_all_single(
