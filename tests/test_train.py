@@ -433,3 +433,17 @@ def test_default_job_runs_on_four_local_ranks(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_module_optimizer_state_is_keyed_by_module(tmp_path):
+    t = _trainer(tmp_path, "--train.vision.freeze=true")
+    t.train_step(t.batches.shard(0))
+    state = t.optimizer.state_dict()
+    assert set(state) == {"audio", "language"}
+    fresh = _trainer(tmp_path, "--train.vision.freeze=true")
+    fresh.optimizer.load_state_dict(state)
+    for name in state:
+        a, b = state[name]["state"], fresh.optimizer.by_module[name].state_dict()["state"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k]["exp_avg"], b[k]["exp_avg"]) for k in a)
+    with pytest.raises(ValueError, match="this job trains"):
+        _trainer(tmp_path).optimizer.load_state_dict(state)

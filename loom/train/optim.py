@@ -53,6 +53,15 @@ class ModuleOptimizers:
         for opt in self:
             opt.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> dict[str, dict]:
+        return {name: opt.state_dict() for name, opt in self.by_module.items()}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        if set(state) != set(self.by_module):
+            raise ValueError(f"optimizer state for modules {sorted(state)}; this job trains {sorted(self.by_module)}")
+        for name, opt in self.by_module.items():
+            opt.load_state_dict(state[name])
+
 
 def freeze_modules(model: nn.Module, modules: list[str], cfg: TrainConfig) -> None:
     for name in modules:
