@@ -6,10 +6,16 @@ so a mean over replicas would divide twice.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# A row-wise TP projector hands FSDP a view of its local output; loom never writes into module outputs in
+# place, which is the only case the warning is about.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
