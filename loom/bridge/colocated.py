@@ -42,16 +42,17 @@ class _GatherRows(torch.autograd.Function):
     every rank of the block holds the same full gradient)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: bool, sender_index: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x, send: bool, sender_index: int, group, cp_group) -> torch.Tensor:
         """sender_index: group rank of the member that sends this rank's replica (its first rank)."""
         out, counts = exchange_rows(x, send, group)
         ctx.offset = sum(counts[:sender_index])
-        ctx.rows = x.shape[0]
+        ctx.rows, ctx.cp_group = x.shape[0], cp_group
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.offset : ctx.offset + ctx.rows], None, None, None
+        grad = _sum_over_context(grad, ctx.cp_group)
+        return grad[ctx.offset : ctx.offset + ctx.rows], None, None, None, None
 
 
 class _NarrowRows(torch.autograd.Function):
@@ -59,16 +60,40 @@ class _NarrowRows(torch.autograd.Function):
     replica's gradient rows (one sender per replica) back into the encoder replica's full order."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, start: int, length: int, send_grad: bool, group: dist.ProcessGroup):
-        ctx.send_grad, ctx.group, ctx.rows = send_grad, group, x.shape[0]
+    def forward(ctx, x, start: int, length: int, send_grad: bool, group, cp_group):
+        ctx.send_grad, ctx.group, ctx.rows, ctx.cp_group = send_grad, group, x.shape[0], cp_group
         return x[start : start + length].clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        grad = _sum_over_context(grad, ctx.cp_group)
         full, _ = exchange_rows(grad.contiguous(), ctx.send_grad, ctx.group)
         if full.shape[0] != ctx.rows:
             raise RuntimeError(f"bridge backward gathered {full.shape[0]} gradient rows for {ctx.rows} embeddings")
-        return full, None, None, None, None
+        return full, None, None, None, None, None
+
+
+def _sum_over_context(grad: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Under LLM cp each rank inserted only the rows of its own tokens, so its gradient is zero elsewhere
+    (the adjoint of selecting rows is a zero-padded scatter): the full gradient is the sum over cp."""
+    if cp_group is None:
+        return grad
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad, group=cp_group)
+    return grad
+
+
+class _SumOverContext(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the LLM's cp group (equal dp under cp)."""
+
+    @staticmethod
+    def forward(ctx, x, cp_group):
+        ctx.cp_group = cp_group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_over_context(grad, ctx.cp_group), None
 
 
 class ColocatedBridge:
@@ -95,6 +120,7 @@ class ColocatedBridge:
             self.send = self.dst_coord["tp"] == 0 and self.dst_coord["cp"] == 0
         else:
             self.mode, self.group, self.send = "equal", None, True
+        self.cp_group = dst.group("cp") if dst.layout.cp > 1 else None
 
     def __call__(self, rows: torch.Tensor, rows_per_sample: list[int]) -> torch.Tensor:
         """rows: this rank's encoder output ([rows, hidden], sample after sample, its encoder replica's
@@ -103,14 +129,14 @@ class ColocatedBridge:
         if self.debug_checks:
             check_replicated(rows, self.src.group("tp"), f"{self.src.module} encoder")
         if self.mode == "equal":
-            return rows
+            return _SumOverContext.apply(rows, self.cp_group) if self.cp_group is not None else rows
         if self.mode == "fan-in":
-            return _GatherRows.apply(rows, self.send, self.sender_index, self.group)
+            return _GatherRows.apply(rows, self.send, self.sender_index, self.group, self.cp_group)
         # fan-out: the LLM replica's samples are a contiguous run inside the encoder replica's samples
         first = self.dst_coord["dp"] * self.dst_share - self.src_coord["dp"] * self.src_share
         start = sum(rows_per_sample[:first])
         length = sum(rows_per_sample[first : first + self.dst_share])
-        return _NarrowRows.apply(rows, start, length, self.send, self.group)
+        return _NarrowRows.apply(rows, start, length, self.send, self.group, self.cp_group)
 
 
 def check_replicated(x: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:

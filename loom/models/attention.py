@@ -26,6 +26,9 @@ class TokenLayout:
     max_seqlen: int = 0
     pad_mask: torch.Tensor | None = None  # padded: bool [batch, seq], True at real tokens
     backend: str = "auto"
+    # set under context parallelism: an object whose .attend(q, k, v, causal, backend) sees the other cp
+    # ranks' keys (loom.parallel.context.ContextShard); the model code never looks inside
+    context: object | None = None
 
     @property
     def packed(self) -> bool:
@@ -50,11 +53,31 @@ class TokenLayout:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, causal: bool) -> torch.Tensor:
     """Scaled dot-product attention; returns a tensor shaped like `q`."""
+    if layout.context is not None:
+        return layout.context.attend(q, k, v, causal, layout.backend)
     if layout.packed:
         if _use_varlen(layout.backend, q):
-            return _varlen(q, k, v, layout, causal)
+            return _varlen(q, k, v, layout, layout, causal)
         return _packed_sdpa(q, k, v, layout, causal)
     return _padded_sdpa(q, k, v, layout, causal)
+
+
+def attend_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_layout: TokenLayout, k_layout: TokenLayout, backend: str
+) -> torch.Tensor:
+    """Packed causal attention where each sample's queries are the *last* tokens of its keys (a query
+    block ending where its key prefix ends): the mask is causal aligned to the bottom-right corner."""
+    if _use_varlen(backend, q):
+        return _varlen(q, k, v, q_layout, k_layout, causal=True)
+    outs = []
+    qb, kb = q_layout.cu_seqlens.tolist(), k_layout.cu_seqlens.tolist()
+    for qs, qe, ks, ke in zip(qb[:-1], qb[1:], kb[:-1], kb[1:]):
+        if qe == qs:
+            continue
+        mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).tril(diagonal=(ke - ks) - (qe - qs))
+        qs_, ks_, vs_ = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
+        outs.append(_sdpa(qs_, ks_, vs_, mask).squeeze(0).transpose(0, 1))
+    return torch.cat(outs) if outs else q[:0]
 
 
 def varlen_available() -> bool:
@@ -81,7 +104,8 @@ def _varlen_fn():
     return varlen_attn
 
 
-def _varlen(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
+def _varlen(q, k, v, q_layout: TokenLayout, k_layout: TokenLayout, causal: bool) -> torch.Tensor:
+    """FlashAttention varlen; with fewer queries than keys its causal mask is bottom-right aligned."""
     fn = _varlen_fn()
     params = inspect.signature(fn).parameters
     kwargs = {}
@@ -95,8 +119,7 @@ def _varlen(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
             kwargs["enable_gqa"] = True
         else:
             k, v = _repeat_kv(k, q.shape[-2]), _repeat_kv(v, q.shape[-2])
-    cu, n = layout.cu_seqlens, layout.max_seqlen
-    return fn(q, k, v, cu, cu, n, n, **kwargs)
+    return fn(q, k, v, q_layout.cu_seqlens, k_layout.cu_seqlens, q_layout.max_seqlen, k_layout.max_seqlen, **kwargs)
 
 
 def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:

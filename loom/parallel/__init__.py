@@ -29,7 +29,10 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
                 apply_llm_tp(module, tp_mesh, lay.sequence_parallel, seq_dim=0 if cfg.data.format == "thd" else 1)
             else:
                 apply_encoder_tp(module, tp_mesh)
-        apply_fsdp(module, _blocks(name, module), grid.mesh("dp", device_type=device_type), mp,
+        # under cp the LLM's gradients must be summed over dp × cp: a (dp, cp) mesh makes FSDP2 replicate
+        # over dp and shard over cp (HSDP), reducing over both, with the tp mesh on the same root
+        dims = ("dp", "cp") if lay.cp > 1 else ("dp",)
+        apply_fsdp(module, _blocks(name, module), grid.mesh(*dims, device_type=device_type), mp,
                    cfg.parallel.reshard_after_forward)
 
 

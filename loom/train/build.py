@@ -107,7 +107,9 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
         m: ColocatedBridge(topo.grids[m], lang, cfg.train.global_batch_size, cfg.parallel.debug_checks)
         for m in model.encoder_names
     }
-    return RankPlan(topo, StepComms(lang.group("dp"), loss_parallel=lang.layout.tp > 1), shares, bridges)
+    lay = lang.layout
+    comms = StepComms(lang.group("dp", "cp"), loss_parallel=lay.tp > 1, cp_group=lang.group("cp") if lay.cp > 1 else None)
+    return RankPlan(topo, comms, shares, bridges)
 
 
 def step_batch(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: ByteTokenizer,
@@ -126,6 +128,5 @@ def _require_supported(topo: Topology) -> None:
     if not topo.placement.colocated:
         raise ConfigError("non-colocated placement validates and plans, but training it is not built yet")
     for name, grid in topo.grids.items():
-        if grid.layout.cp > 1 or grid.layout.pp > 1:
-            raise ConfigError(f"{name}: cp = {grid.layout.cp}, pp = {grid.layout.pp}; context and pipeline "
-                              f"parallelism are not built yet")
+        if grid.layout.pp > 1:
+            raise ConfigError(f"{name}: pp = {grid.layout.pp}; pipeline parallelism is not built yet")

@@ -18,14 +18,16 @@ from torch.distributed.tensor.parallel import loss_parallel
 from loom.config import TrainConfig
 from loom.data.batch import Batch
 from loom.models.multimodal import MultimodalModel
+from loom.parallel.context import shard_for_context
 from loom.train.loss import token_loss_sum
 from loom.train.optim import clip_and_check, set_lr
 
 
 @dataclass
 class StepComms:
-    dp_group: dist.ProcessGroup | None = None  # the LLM's data replicas; None: one process
+    dp_group: dist.ProcessGroup | None = None  # ranks holding different LLM tokens (dp × cp); None: one process
     loss_parallel: bool = False  # logits arrive vocab-sharded (LLM tp > 1)
+    cp_group: dist.ProcessGroup | None = None  # the LLM's context-parallel group, when cp > 1
 
 
 @dataclass
@@ -64,14 +66,19 @@ def local_value(t: torch.Tensor) -> float:
     return float(t.full_tensor() if isinstance(t, DTensor) else t)
 
 
-def forward(model: MultimodalModel, inputs: StepBatch, bridges: dict | None = None) -> torch.Tensor:
-    """Each encoder on its own share, its rows moved to the LLM's share by its bridge, then the LLM."""
-    ids = inputs.llm.input_ids
+def forward(
+    model: MultimodalModel, inputs: StepBatch, llm: Batch, bridges: dict | None = None, selectors: dict | None = None
+) -> torch.Tensor:
+    """Each encoder on its own share, its rows moved to the LLM's share by its bridge, then the LLM on
+    `llm` — the LLM share itself, or this cp rank's part of it with `selectors` picking the rows it holds."""
     embeds = {}
     for name in model.encoder_names:
         rows = model.encoder(name)(inputs.encoder_items.get(name, []))
         embeds[name] = bridges[name](rows, inputs.rows_per_sample[name]) if bridges else rows
-    return model.language(ids, inputs.llm.positions, inputs.llm.layout, model.inserts(ids, embeds))
+    inserts = model.inserts(inputs.llm.input_ids, embeds)  # checked against the whole share
+    if selectors:
+        inserts = {pid: rows[selectors[pid]] for pid, rows in inserts.items()}
+    return model.language(llm.input_ids, llm.positions, llm.layout, inserts)
 
 
 def train_step(
@@ -84,13 +91,15 @@ def train_step(
     bridges: dict | None = None,
     autocast=contextlib.nullcontext,
 ) -> StepResult:
-    batch = inputs.llm
-    # every rank divides by the supervised tokens of the *global* batch: gradients then add up over dp
+    batch, selectors = inputs.llm, None
+    if comms.cp_group is not None:
+        batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
+    # every rank divides by the supervised tokens of the *global* batch: gradients then add up over dp × cp
     n_tokens = max(1.0, sum_over(batch.num_supervised, comms.dp_group))
     lr = set_lr(optimizer, step, cfg)
     with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
         with autocast():
-            logits = forward(model, inputs, bridges)
+            logits = forward(model, inputs, batch, bridges, selectors)
         loss_sum = token_loss_sum(logits, batch.labels)
         (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
     norm, finite = clip_and_check(model, cfg.grad_clip)

@@ -1,0 +1,145 @@
+"""Context parallelism for the LLM: each sample's tokens split over the cp group, attention exact across it.
+
+Sharding (load-balanced for causal attention): every sample — padded to a multiple of 2·cp — is cut into
+2·cp equal chunks and cp rank i keeps chunks i and 2·cp−1−i, so every rank holds an equal share of early
+and late (cheap and expensive) queries. Positions keep their global values; labels were shifted before
+sharding, so no chunk boundary pairs a logit with the wrong target. Padded (BSHD) batches are flattened
+to one sample per row first: pads trail each row, so causal attention never reads them.
+
+Attention: K/V of the local chunks are all-gathered within the cp group (GQA heads, before expansion) and
+put back in global order; the first and second local chunk of every sample then attend, causally, to the
+prefix of their sample that ends at their own last position. PyTorch's experimental `context_parallel`
+has no CPU rule for SDPA, so this is loom's own: the same code runs on gloo and NCCL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from loom.data.batch import Batch
+from loom.models.attention import TokenLayout, attend_prefix
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # torch ≥ 2.13 names it all_gather_single; 2.11 has all_gather_into_tensor
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Concatenate every cp rank's equal-length local tokens (rank order); backward reduce-scatters, since
+    every rank's queries contributed to the gradient of every rank's keys and values."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+        _all_gather_single(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        _reduce_scatter_single(out, grad.contiguous(), ctx.group)
+        return out, None
+
+
+def zigzag_indices(lengths: list[int], rank: int, size: int) -> list[int]:
+    """Global token indices kept by cp rank `rank`: per sample, chunks rank and 2·size−1−rank."""
+    out, start = [], 0
+    for n in lengths:
+        c = n // (2 * size)
+        for chunk in (rank, 2 * size - 1 - rank):
+            out.extend(range(start + chunk * c, start + (chunk + 1) * c))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """What the attention of one cp rank needs for one batch; carried by TokenLayout.context."""
+
+    group: dist.ProcessGroup
+    q_rows: tuple[torch.Tensor, torch.Tensor]  # local rows of each sample's first / second kept chunk
+    k_rows: tuple[torch.Tensor, torch.Tensor]  # gathered (rank-major) rows of the causal prefix each attends to
+    q_layouts: tuple[TokenLayout, TokenLayout]  # per-sample query lengths of each half
+    k_layouts: tuple[TokenLayout, TokenLayout]  # per-sample key prefix lengths of each half
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: str) -> torch.Tensor:
+        if not causal:
+            raise ValueError("context parallel attention is causal only (encoders do not use cp)")
+        k_all, v_all = _GatherTokens.apply(k, self.group), _GatherTokens.apply(v, self.group)
+        out = torch.zeros_like(q)
+        for half in (0, 1):
+            qh = q[self.q_rows[half]]
+            kh, vh = k_all[self.k_rows[half]], v_all[self.k_rows[half]]
+            oh = attend_prefix(qh, kh, vh, self.q_layouts[half], self.k_layouts[half], backend)
+            out = out.index_copy(0, self.q_rows[half], oh)
+        return out
+
+
+def shard_for_context(
+    batch: Batch, group: dist.ProcessGroup, placeholder_ids: list[int]
+) -> tuple[Batch, dict[int, torch.Tensor]]:
+    """This cp rank's share of `batch` (always packed), and for each placeholder id the indices of its
+    embedding rows that land on this rank (in local order) — the rows the LLM must insert here."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ids, labels, positions, lengths = _as_packed(batch)
+    if any(n % (2 * size) for n in lengths):
+        raise ValueError(f"context parallel needs every sample padded to a multiple of 2·cp = {2 * size}; "
+                         f"got sample lengths {lengths} (set data.pad_to_multiple)")
+    device = ids.device
+    keep = torch.tensor(zigzag_indices(lengths, rank, size), dtype=torch.long, device=device)
+    selectors = {}
+    for pid in placeholder_ids:
+        is_slot = ids == pid
+        slot_index = torch.cumsum(is_slot, 0) - 1  # which row of this modality each placeholder takes
+        selectors[pid] = slot_index[keep][is_slot[keep]]
+    local_lengths = [n // size for n in lengths]
+    shard = _context(group, lengths, rank, size, device)
+    layout = replace(TokenLayout.from_lengths(local_lengths, device, batch.layout.backend), context=shard)
+    local = Batch(ids[keep], labels[keep], positions[keep], layout, batch.modality_inputs)
+    return local, selectors
+
+
+def _as_packed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    if batch.layout.packed:
+        cu = batch.layout.cu_seqlens.tolist()
+        return batch.input_ids, batch.labels, batch.positions, [b - a for a, b in zip(cu[:-1], cu[1:])]
+    rows, seq = batch.input_ids.shape  # one sample per row; trailing pads are never attended (causal)
+    return batch.input_ids.reshape(-1), batch.labels.reshape(-1), batch.positions.reshape(-1), [seq] * rows
+
+
+def _context(group, lengths: list[int], rank: int, size: int, device) -> ContextShard:
+    local_total = sum(lengths) // size
+    gathered = torch.cat([torch.tensor(zigzag_indices(lengths, r, size)) for r in range(size)])
+    kv_order = torch.empty_like(gathered)
+    kv_order[gathered] = torch.arange(gathered.numel())  # global index → position in the gathered rows
+    q_rows, k_rows, q_lens, k_lens = ([], []), ([], []), ([], []), ([], [])
+    local_start = global_start = 0
+    for n in lengths:
+        c = n // (2 * size)
+        for half, chunk in enumerate((rank, 2 * size - 1 - rank)):
+            q_rows[half].extend(range(local_start + half * c, local_start + (half + 1) * c))
+            k_rows[half].extend(range(global_start, global_start + (chunk + 1) * c))
+            q_lens[half].append(c)
+            k_lens[half].append((chunk + 1) * c)
+        local_start += 2 * c
+        global_start += n
+    assert local_start == local_total
+    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return ContextShard(
+        group,
+        (t(q_rows[0]), t(q_rows[1])),
+        (kv_order[k_rows[0]].to(device), kv_order[k_rows[1]].to(device)),
+        tuple(TokenLayout.from_lengths(q_lens[h], device) for h in (0, 1)),
+        tuple(TokenLayout.from_lengths(k_lens[h], device) for h in (0, 1)),
+    )
