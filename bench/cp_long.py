@@ -1,0 +1,89 @@
+"""Long-sequence context-parallel benchmark: one packed 32K-token sample per LLM replica, cp ∈ {1, 2, 4}.
+
+Run on a GPU machine (one process per GPU), once per cp degree, side by side:
+    torchrun --nproc-per-node=4 bench/cp_long.py --cp 1 --seq 32768
+    torchrun --nproc-per-node=4 bench/cp_long.py --cp 2 --seq 32768
+    torchrun --nproc-per-node=4 bench/cp_long.py --cp 4 --seq 32768
+Each prints one JSON line (rank 0): real tokens/s per GPU, step time, peak memory per GPU. With one
+sample per replica, cp spreads each sample's tokens (and their activations) over cp GPUs.
+Runs on CPU too (gloo, fp32, SDPA) with small sizes, which is how CI keeps it from rotting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from loom.config import load_config
+from loom.data.packing import pack_samples
+from loom.data.sample import Sample
+from loom.data.tokenizer import ByteTokenizer
+from loom.distributed import init_distributed, shutdown
+from loom.train.build import build_job_model, setup_parallel
+from loom.train.optim import ModuleOptimizers
+from loom.train.step import StepBatch, train_step
+
+# a ~0.4B-parameter Llama-shaped LLM; the encoders stay tiny (text-only samples: they run one dummy item)
+LLM = ["--model.language.hidden_size=1024", "--model.language.num_layers=16", "--model.language.num_heads=16",
+       "--model.language.num_kv_heads=4", "--model.language.intermediate_size=4096",
+       "--model.language.vocab_size=32768", "--model.language.tie_embeddings=false"]
+SMALL_LLM = ["--model.language.hidden_size=64", "--model.language.num_layers=2", "--model.language.num_heads=4",
+             "--model.language.num_kv_heads=2", "--model.language.intermediate_size=128"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--small", action="store_true", help="tiny model, for a CPU smoke run")
+    args = p.parse_args()
+    device = init_distributed("auto")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gpu = device.type == "cuda"
+    dp = world // args.cp
+    cfg = load_config(None, (SMALL_LLM if args.small else LLM) + [
+        f"--layout.language.cp={args.cp}", f"--data.pad_to_multiple={2 * args.cp}",
+        # one sample per LLM replica: the encoders get as many replicas (split the rest by tp)
+        f"--layout.vision.tp={args.cp}", f"--layout.audio.tp={args.cp}",
+        f"--train.global_batch_size={dp}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
+        "--train.grad_clip=1.0", "--data.train_size=64",
+    ], world_size=world)
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    model = build_job_model(cfg, tok).to(device)
+    plan = setup_parallel(model, cfg, device)
+    optimizer = ModuleOptimizers(model, [*model.encoder_names, "language"], cfg.train)
+    g = torch.Generator().manual_seed(plan.shares["language"][0])
+    ids = torch.randint(0, 256, (args.seq,), generator=g).tolist()  # one sample: this replica's share
+    batch = pack_samples([Sample(ids, [False] + [True] * (args.seq - 1), [], [])], tok.pad_id, 2 * args.cp)
+    inputs = StepBatch.of(batch.to(device), {"vision": [0], "audio": [0]}, tokens=args.seq)
+    times = []
+    for step in range(args.warmup + args.steps):
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = train_step(model, optimizer, inputs, cfg.train, step, plan.comms, plan.bridges)
+        if gpu:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else float("nan")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps({
+            "bench": "cp_long", "cp": args.cp, "dp": dp, "gpus": world, "seq": args.seq,
+            "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
+            "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(args.seq * dp / step_s / world, 1),
+            "peak_mem_gib": round(peak, 2), "loss": round(result.loss, 4),
+        }))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
