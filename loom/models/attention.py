@@ -15,9 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "sdpa", "varlen")
-
-
 @dataclass(frozen=True)
 class TokenLayout:
     """How the tokens of one batch are arranged; built once per batch, shared by every layer."""
@@ -78,10 +75,6 @@ def attend_prefix(
         qs_, ks_, vs_ = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
         outs.append(_sdpa(qs_, ks_, vs_, mask).squeeze(0).transpose(0, 1))
     return torch.cat(outs) if outs else q[:0]
-
-
-def varlen_available() -> bool:
-    return _varlen_fn() is not None and torch.cuda.is_available()
 
 
 def _use_varlen(backend: str, q: torch.Tensor) -> bool:

@@ -38,7 +38,3 @@ class Topology:
 
     def role(self, rank: int | None = None) -> Role:
         return role_of(dist.get_rank() if rank is None else rank, self.grids)
-
-    def destroy(self) -> None:
-        if self.registry is not None:
-            self.registry.destroy()

@@ -90,7 +90,7 @@ class GroupRegistry:
     """Creates every process group of every grid, once per process.
 
     All ranks call `build(grids)` with the same grids in the same order; identical rank sets (e.g. two
-    colocated modules with the same layout) share one group. `destroy()` releases them all at shutdown.
+    colocated modules with the same layout) share one group. `destroy_all()` releases them at shutdown.
     """
 
     def __init__(self) -> None:
@@ -112,11 +112,13 @@ class GroupRegistry:
             raise KeyError(f"no process group for ranks {ranks} on rank {dist.get_rank()}")
         return group
 
-    def destroy(self) -> None:
-        for group in self._groups.values():
+    @staticmethod
+    def destroy_all() -> None:
+        """At shutdown: every group this process created, before the default group goes."""
+        for group in _GROUPS.values():
             if group is not None:
                 dist.destroy_process_group(group)
-        self._groups.clear()
+        _GROUPS.clear()
 
 
 def all_dim_subsets() -> list[tuple[str, ...]]:
