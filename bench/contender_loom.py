@@ -1,0 +1,54 @@
+"""loom as a benchmark contender: the configured layout, packed (THD) or padded (BSHD) batches."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.flops import matmul_params
+from bench.mm_bench import flops_of
+from loom.data.tokenizer import ByteTokenizer
+from loom.train.build import build_job_model, setup_parallel, step_batch, token_counters
+from loom.train.optim import ModuleOptimizers
+from loom.train.step import StepBatch, train_step
+
+
+class LoomContender:
+    def __init__(self, cfg, device: torch.device, workload) -> None:
+        self.cfg, self.device, self.workload = cfg, device, workload
+        self.tok = ByteTokenizer()
+        torch.manual_seed(0)
+        with torch.device(device):  # initialise on the device: no host copy of 2B parameters per rank
+            self.model = build_job_model(cfg, self.tok)
+        m = self.model
+        self.n_params = sum(p.numel() for p in m.parameters())
+        lm, vc, ac = m.language.cfg, m.vision.encoder.cfg, m.audio.encoder.cfg
+        self.spec = {  # before parallelisation: plain module sizes
+            "patch": vc.patch_size,
+            "llm": (matmul_params(m.language), lm.num_layers, lm.num_heads * lm.dim_per_head),
+            "vision": (matmul_params(m.vision), vc.num_layers, vc.hidden_size),
+            "audio": (matmul_params(m.audio), ac.num_layers, ac.hidden_size),
+            "llm_length": len,
+        }
+        self.counters = token_counters(m)
+        self.plan = setup_parallel(m, cfg, device)
+        self.optimizer = ModuleOptimizers(m, [*m.encoder_names, "language"], cfg.train)
+        self._computed, self._real = 0, 0
+
+    def inputs(self, step: int) -> StepBatch:
+        inputs = step_batch(self.workload, step, self.plan, self.cfg, self.tok, self.counters, self.device)
+        self._computed += inputs.llm.input_ids.numel()
+        self._real += inputs.tokens
+        return inputs
+
+    def step(self, inputs: StepBatch, step: int) -> float:
+        return train_step(self.model, self.optimizer, inputs, self.cfg.train, step, self.plan.comms,
+                          self.plan.bridges).loss
+
+    def llm_tokens(self, step: int) -> int:
+        return sum(len(s) for s in self.workload.global_batch(step))
+
+    def flops(self, step: int) -> float:
+        return flops_of(self.workload.global_batch(step), self.spec)
+
+    def padding_fraction(self) -> float:
+        return 1 - self._real / max(1, self._computed)

@@ -1,0 +1,136 @@
+"""Multimodal training throughput: loom layouts side by side with a Hugging Face + FSDP2 baseline.
+
+    torchrun --nproc-per-node=N bench/mm_bench.py --system loom --layout homogeneous --format thd
+    torchrun --nproc-per-node=N bench/mm_bench.py --system loom --layout heterogeneous --format thd
+    torchrun --nproc-per-node=N bench/mm_bench.py --system loom --layout homogeneous --format bshd
+    torchrun --nproc-per-node=N bench/mm_bench.py --system hf
+
+Workload (random init, fixed seed, the same samples for every contender): a Qwen2.5-1.5B-shaped LLM, a
+SigLIP-so400m-shaped ViT (patch 14), a small Whisper-shaped audio encoder; images 224–448 px, text
+64–1024 tokens, audio on one sample in four; three samples per GPU per step, packed into `--seq` tokens.
+Prints one JSON line (rank 0): real LLM tokens/s per GPU, TFLOP/s per GPU and MFU (bench/flops.py, against
+an 8192³ bf16 matmul measured in the same run), peak memory, step time, padding fraction.
+`--small` shrinks everything for a CPU smoke run (CI runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench.flops import matmul_params, step_flops
+from bench.workload import SMALL, PackedSteps, Shape
+from loom.config import load_config
+from loom.data.tokenizer import ByteTokenizer
+from loom.distributed import init_distributed, shutdown
+
+LLM = ["--model.language.hidden_size=1536", "--model.language.num_layers=28", "--model.language.num_heads=12",
+       "--model.language.num_kv_heads=2", "--model.language.intermediate_size=8960",
+       "--model.language.vocab_size=151936", "--model.language.attention_bias=true",
+       "--model.language.rope_theta=1000000.0"]
+VIT = ["--model.vision.hidden_size=1152", "--model.vision.num_layers=27", "--model.vision.num_heads=16",
+       "--model.vision.intermediate_size=4304", "--model.vision.patch_size=14", "--model.vision.position_grid=27"]
+AUDIO = ["--model.audio.num_features=80", "--model.audio.hidden_size=384", "--model.audio.num_layers=4",
+         "--model.audio.num_heads=6", "--model.audio.intermediate_size=1536"]
+SMALL_MODEL = ["--model.vision.patch_size=4", "--model.audio.num_features=16"]
+PER_GPU = 3  # samples per GPU per step
+
+
+def layout_overrides(layout: str, world: int) -> list[str]:
+    if layout == "homogeneous" or world == 1:
+        return []
+    # the LLM split over tp 2 (sequence parallel), the encoders data parallel over every GPU: fan-in
+    return ["--layout.language.tp=2", "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]
+
+
+def peak_matmul_tflops(device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=("loom", "hf"), default="loom")
+    p.add_argument("--layout", choices=("homogeneous", "heterogeneous"), default="homogeneous")
+    p.add_argument("--format", choices=("thd", "bshd"), default="thd")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--small", action="store_true")
+    args = p.parse_args()
+    device = init_distributed("auto")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gpu = device.type == "cuda"
+    shape = SMALL if args.small else Shape()
+    workload = PackedSteps(shape, world, PER_GPU, args.seq)
+    sizes = SMALL_MODEL if args.small else LLM + VIT + AUDIO
+    cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
+        f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
+        f"--train.global_batch_size={world * PER_GPU}", "--data.train_size=1000000",
+    ], world_size=world)
+    if args.system == "loom":
+        from bench.contender_loom import LoomContender as Contender
+    else:
+        from bench.contender_hf import HFContender as Contender
+    contender = Contender(cfg, device, workload)
+    peak = peak_matmul_tflops(device)
+    total = args.warmup + args.steps
+    inputs = [contender.inputs(step) for step in range(total)]  # data prepared before timing
+    times = []
+    for step in range(total):
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = contender.step(inputs[step], step)
+        if gpu:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]
+    measured = range(args.warmup, total)
+    real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
+    flops = sum(contender.flops(s) for s in measured) / len(measured)
+    tflops = flops / step_s / world / 1e12
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps({
+            "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
+            "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq,
+            "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
+            "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(real_tokens / step_s / world, 1),
+            "tflops_per_gpu": round(tflops, 1), "peak_matmul_tflops": round(peak, 1),
+            "mfu": round(tflops / peak, 4) if gpu else None,
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
+            "padding_fraction": round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
+            "params_b": round(contender.n_params / 1e9, 3),
+        }))
+    shutdown()
+
+
+def flops_of(samples, spec: dict) -> float:
+    """Training FLOPs of `samples` (bench/flops.py); `spec` holds the modules' matmul sizes and depths."""
+    patch = spec["patch"]
+    patches = spec.get("patches_per_image") or None
+    items = [patches or (i.shape[-2] // patch) * (i.shape[-1] // patch) for s in samples for i in s.images]
+    frames = [(c.shape[-1] + 1) // 2 for s in samples for c in s.audio] if spec.get("audio") else []
+    lengths = [spec["llm_length"](s) for s in samples]
+    encoders = [(*spec["vision"], items)] + ([(*spec["audio"], frames)] if spec.get("audio") else [])
+    return step_flops(*spec["llm"], lengths, encoders)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The benchmark's data: realistic multimodal samples from a fixed seed, grouped so each LLM replica's share
+of a step packs into one sequence of `seq` tokens. Every contender sees the same samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loom.data.sample import Sample
+from loom.data.tokenizer import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class Shape:
+    patch: int = 14
+    image_px: tuple[int, int] = (224, 448)  # image sides: 256–1024 patches at patch 14
+    text: tuple[int, int] = (64, 1024)
+    audio_every: int = 4  # one sample in this many carries a clip
+    audio_frames: tuple[int, int] = (200, 600)  # mel frames (100 per second): 100–300 tokens after the conv
+    mels: int = 80
+
+
+SMALL = Shape(patch=4, image_px=(16, 32), text=(8, 48), audio_frames=(8, 24), mels=16)
+
+
+def sample(rng: np.random.Generator, shape: Shape, tok: ByteTokenizer) -> Sample:
+    side = lambda: int(rng.integers(shape.image_px[0], shape.image_px[1] + 1)) // shape.patch * shape.patch  # noqa: E731
+    h, w = side(), side()
+    image = torch.from_numpy(rng.standard_normal((3, h, w), dtype=np.float32))
+    clips = []
+    if rng.integers(shape.audio_every) == 0:
+        frames = int(rng.integers(*shape.audio_frames))
+        clips = [torch.from_numpy(rng.standard_normal((shape.mels, frames), dtype=np.float32))]
+    text = rng.integers(0, 256, int(rng.integers(*shape.text))).tolist()
+    prompt = [tok.bos_id] + [tok.placeholder_ids["vision"]] * ((h // shape.patch) * (w // shape.patch))
+    prompt += [tok.placeholder_ids["audio"]] * sum((c.shape[1] + 1) // 2 for c in clips)
+    return Sample(prompt + text, [False] * len(prompt) + [True] * len(text), [image], clips)
+
+
+class PackedSteps:
+    """Global batch `step`: `replicas × per_replica` samples; each replica's run of samples fits `seq`
+    tokens (groups that would not fit are redrawn, deterministically)."""
+
+    def __init__(self, shape: Shape, replicas: int, per_replica: int, seq: int, seed: int = 0) -> None:
+        self.shape, self.replicas, self.per_replica, self.seq, self.seed = shape, replicas, per_replica, seq, seed
+        self.tok = ByteTokenizer()
+
+    def global_batch(self, step: int) -> list[Sample]:
+        if getattr(self, "_cached", (None,))[0] == step:  # the LLM and each encoder read the same step
+            return self._cached[1]
+        out = []
+        for r in range(self.replicas):
+            rng = np.random.default_rng([self.seed, step, r])
+            while True:
+                group = [sample(rng, self.shape, self.tok) for _ in range(self.per_replica)]
+                if sum(len(s) for s in group) <= self.seq:
+                    break
+            out += group
+        self._cached = (step, out)
+        return out
+
+    def shard(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
+        batch = self.global_batch(step)
+        share = len(batch) // dp_size
+        return batch[dp_rank * share : (dp_rank + 1) * share]
