@@ -22,10 +22,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.flops import matmul_params, step_flops
+from bench.flops import step_flops
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.config import load_config
-from loom.data.tokenizer import ByteTokenizer
 from loom.distributed import init_distributed, shutdown
 
 LLM = ["--model.language.hidden_size=1536", "--model.language.num_layers=28", "--model.language.num_heads=12",
