@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from bench.flops import matmul_params
@@ -42,7 +44,13 @@ class LoomContender:
 
     def step(self, inputs: StepBatch, step: int) -> float:
         return train_step(self.model, self.optimizer, inputs, self.cfg.train, step, self.plan.comms,
-                          self.plan.bridges).loss
+                          self.plan.bridges, self._autocast).loss
+
+    def _autocast(self):
+        # one process (torchrun with one rank starts no process group): bf16 through autocast, as `loom train`
+        if not self.plan.distributed and self.cfg.train.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def llm_tokens(self, step: int) -> int:
         return sum(len(s) for s in self.workload.global_batch(step))

@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--profile", default="", help="write a torch profiler summary of the measured steps here")
     args = p.parse_args()
     device = init_distributed("auto")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -91,7 +92,12 @@ def main() -> None:
     total = args.warmup + args.steps
     inputs = [contender.inputs(step) for step in range(total)]  # data prepared before timing
     times = []
+    profiler = None
     for step in range(total):
+        if step == args.warmup and args.profile:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
+                                              ([torch.profiler.ProfilerActivity.CUDA] if gpu else []))
+            profiler.__enter__()
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -100,6 +106,12 @@ def main() -> None:
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+            with open(args.profile, "w") as f:
+                f.write(profiler.key_averages().table(sort_by=key, row_limit=30))
     step_s = sorted(times)[len(times) // 2]
     measured = range(args.warmup, total)
     real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
