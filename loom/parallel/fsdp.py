@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -31,8 +32,9 @@ def apply_fsdp(
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # the root keeps its parameters gathered after forward: the backward needs them at once
     fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    gloo = dist.get_backend(mesh.get_group(0)) == "gloo"
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
-            if hasattr(m, "set_force_sum_reduction_for_comms"):  # plain SUM: gloo has no PREMUL_SUM
+            if gloo:  # gloo has no PREMUL_SUM; NCCL keeps its fused pre-multiplied reduction
                 m.set_force_sum_reduction_for_comms(True)
