@@ -67,7 +67,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotates [..., heads, head_dim] with the half-split convention of Llama/Qwen checkpoints."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # in x's dtype: under autocast q/k are bf16 while the table follows fp32 hidden states; promoting q/k
+    # to fp32 here would keep attention off the bf16 FlashAttention path
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class SwiGLU(nn.Module):
