@@ -72,6 +72,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true")
     p.add_argument("--profile", default="", help="write a torch profiler summary of the measured steps here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra loom config override, e.g. --set parallel.reshard_after_forward=false")
     args = p.parse_args()
     device = init_distributed("auto")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -82,7 +84,7 @@ def main() -> None:
     cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
         f"--train.global_batch_size={world * PER_GPU}", "--data.train_size=1000000",
-    ], world_size=world)
+    ] + [f"--{kv}" for kv in args.set], world_size=world)
     if args.system == "loom":
         from bench.contender_loom import LoomContender as Contender
     else:
@@ -127,7 +129,7 @@ def main() -> None:
             "mfu": round(tflops / peak, 4) if gpu else None,
             "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
             "padding_fraction": round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
-            "params_b": round(contender.n_params / 1e9, 3),
+            "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
         }))
     shutdown()
 
