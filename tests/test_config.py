@@ -360,3 +360,18 @@ def test_cli_without_a_config_launches_the_default_job_on_its_ranks(monkeypatch,
     assert code == 0, capsys.readouterr().err
     assert launched["n"] == 4
     assert launched["args"] == ["train", str(loom.cli.DEFAULT_CONFIG), "--train.steps=12", "--train.lr=3e-4"]
+
+
+def test_tiny_config_spells_out_the_built_in_defaults():
+    assert load_config("configs/tiny.toml") == JobConfig()
+
+
+def test_default_job_is_a_heterogeneous_colocated_layout_on_four_ranks():
+    from loom.topology import Topology
+
+    cfg = load_config(str(loom.cli.DEFAULT_CONFIG))
+    assert cfg.layout.world_size == 4
+    placement = Topology.plan(cfg, 4).placement
+    assert placement.colocated
+    degrees = {name: (lay.tp, lay.dp) for name, lay in placement.layouts.items()}
+    assert degrees == {"vision": (2, 2), "audio": (1, 4), "language": (1, 4)}
