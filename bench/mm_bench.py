@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -147,3 +149,5 @@ def flops_of(samples, spec: dict) -> float:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown after collectives (it sometimes aborts a rank at exit)
