@@ -23,6 +23,7 @@ class GlobalBatches(Generic[T]):
         self.seed = seed
         self.transform = transform
         self._perm_epoch, self._perm = -1, None
+        self._step, self._samples = -1, {}  # the current step's transformed samples, by dataset index
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
@@ -43,4 +44,11 @@ class GlobalBatches(Generic[T]):
         if len(idx) % dp_size:
             raise ValueError(f"global batch size {len(idx)} is not divisible by dp={dp_size}")
         share = len(idx) // dp_size
-        return [self.transform(self.dataset[i]) for i in idx[dp_rank * share : (dp_rank + 1) * share]]
+        if step != self._step:  # the LLM's and each encoder's shares of one step overlap: build each once
+            self._step, self._samples = step, {}
+        out = []
+        for i in idx[dp_rank * share : (dp_rank + 1) * share]:
+            if i not in self._samples:
+                self._samples[i] = self.transform(self.dataset[i])
+            out.append(self._samples[i])
+        return out

@@ -42,6 +42,14 @@ def write_checkpoint(path: str | Path, weights: dict, optimizer_tensors: dict, s
     (path / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2, default=str))
 
 
+def gather_full_weights(model: nn.Module, to_rank0: bool) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of an FSDP/TP model — collective: every rank calls it. `to_rank0`: only
+    rank 0 receives them, on the CPU; otherwise every rank does, on its device."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=to_rank0))
+
+
 def save_sharded_as_full(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str], step: int, extra: dict
 ) -> None:
@@ -49,15 +57,12 @@ def save_sharded_as_full(
     folder a one-process run writes, so export, evaluation and one-process resume read it unchanged.
     `names`: the model's unique state-dict names (tied aliases dropped), taken before parallelisation."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    optim = get_optimizer_state_dict(model, _optimizers(optimizer), options=options)
+    weights = gather_full_weights(model, to_rank0=True)
+    optim = get_optimizer_state_dict(
+        model, _optimizers(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() == 0:
         weights = {k: v.contiguous() for k, v in weights.items() if k in names}
         moments = {

@@ -24,7 +24,13 @@ from loom.train.build import (
     step_batch,
     token_counters,
 )
-from loom.train.checkpoint import load_checkpoint, save_checkpoint, save_sharded_as_full, unique_state_dict
+from loom.train.checkpoint import (
+    gather_full_weights,
+    load_checkpoint,
+    save_checkpoint,
+    save_sharded_as_full,
+    unique_state_dict,
+)
 from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
@@ -120,9 +126,7 @@ class Trainer:
         return metrics
 
     def _gathered_copy(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = gather_full_weights(self.model, to_rank0=True)
         if dist.get_rank() != 0:
             return None
         copy = build_job_model(self.cfg, self.tok, pretrained=False)

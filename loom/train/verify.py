@@ -28,6 +28,7 @@ from loom.train.build import (
     step_batch,
     token_counters,
 )
+from loom.train.checkpoint import gather_full_weights
 from loom.train.optim import ModuleOptimizers
 from loom.train.step import StepBatch, StepComms, train_step
 
@@ -85,11 +86,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
 
 
 def full_weights(model: torch.nn.Module, distributed: bool) -> dict[str, torch.Tensor]:
-    if not distributed:
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
+    return gather_full_weights(model, to_rank0=False) if distributed else model.state_dict()
 
 
 def weight_differences(weights: dict[str, torch.Tensor], reference: torch.nn.Module) -> dict[str, float]:
