@@ -54,7 +54,8 @@ class HFContender:
                 fully_shard(m, mp_policy=mp)
         fully_shard(self.model, mp_policy=mp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr,
-                                           betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=cfg.train.weight_decay)
+                                           betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=cfg.train.weight_decay,
+                                           fused=device.type == "cuda" or None)  # as loom: fused on GPU
         self.grad_clip = cfg.train.grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1

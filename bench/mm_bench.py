@@ -70,6 +70,10 @@ def main() -> None:
     p.add_argument("--layout", choices=("homogeneous", "heterogeneous"), default="homogeneous")
     p.add_argument("--format", choices=("thd", "bshd"), default="thd")
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--pad-to", choices=("longest", "seq"), default="longest",
+                   help="padded (bshd) rows: to the step's longest sample, or every row to --seq tokens")
+    p.add_argument("--adam", choices=("auto", "foreach"), default="auto",
+                   help="foreach: the multi-kernel AdamW instead of the fused one loom picks on GPU (A/B)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true")
@@ -85,6 +89,7 @@ def main() -> None:
     sizes = SMALL_MODEL if args.small else LLM + VIT + AUDIO
     cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
+        *([f"--data.pad_to_multiple={args.seq}"] if args.format == "bshd" and args.pad_to == "seq" else []),
         f"--train.global_batch_size={world * PER_GPU}", "--data.train_size=1000000",
     ] + [f"--{kv}" for kv in args.set], world_size=world)
     if args.system == "loom":
@@ -92,6 +97,9 @@ def main() -> None:
     else:
         from bench.contender_hf import HFContender as Contender
     contender = Contender(cfg, device, workload)
+    if args.adam == "foreach":
+        for group in contender.optimizer.param_groups:  # before the first step: its state follows suit
+            group.update(fused=None, foreach=True)
     peak = peak_matmul_tflops(device)
     total = args.warmup + args.steps
     inputs = [contender.inputs(step) for step in range(total)]  # data prepared before timing
@@ -113,9 +121,7 @@ def main() -> None:
     if profiler is not None:
         profiler.__exit__(None, None, None)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
-            with open(args.profile, "w") as f:
-                f.write(profiler.key_averages().table(sort_by=key, row_limit=30))
+            write_profile(profiler, args.profile, sum(times), gpu)
     step_s = sorted(times)[len(times) // 2]
     measured = range(args.warmup, total)
     real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
@@ -125,6 +131,7 @@ def main() -> None:
         print(json.dumps({
             "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
             "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq,
+            "pad_to": args.pad_to if args.format == "bshd" or args.system == "hf" else None, "adam": args.adam,
             "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(real_tokens / step_s / world, 1),
             "tflops_per_gpu": round(tflops, 1), "peak_matmul_tflops": round(peak, 1),
@@ -134,6 +141,18 @@ def main() -> None:
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
         }))
     shutdown()
+
+
+def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
+    """Top operators by device time and by host time, and how busy the device was over the measured steps
+    (kernel time / wall time: far below 1 means the host or a collective's wait holds the device idle)."""
+    events = profiler.key_averages()
+    with open(path, "w") as f:
+        if gpu:
+            busy = sum(e.self_device_time_total for e in events) / 1e6
+            f.write(f"wall {wall_s:.3f} s, device kernels {busy:.3f} s ({busy / wall_s:.0%} of wall)\n\n")
+            f.write(events.table(sort_by="self_device_time_total", row_limit=40) + "\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
 
 
 def flops_of(samples, spec: dict) -> float:

@@ -70,6 +70,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
     eval_max_new_tokens: int = 16
+    compile: bool = False  # torch.compile each transformer block (fuses norms, activations, rotary)
     vision: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     audio: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     language: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)

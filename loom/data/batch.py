@@ -22,10 +22,16 @@ class Batch:
     positions: torch.Tensor  # position of each token inside its own sample
     layout: TokenLayout
     modality_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # in placeholder order
+    host_ids: torch.Tensor | None = None  # input_ids as they were on the host before .to(device)
 
     @property
     def num_supervised(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
+
+    def count(self, token_id: int) -> int:
+        """Occurrences of a token id, read from the host copy when there is one (no device sync)."""
+        ids = self.input_ids if self.host_ids is None else self.host_ids
+        return int((ids == token_id).sum())
 
     def to(self, device: torch.device | str) -> Batch:
         lay = self.layout
@@ -40,6 +46,7 @@ class Batch:
             self.positions.to(device),
             layout,
             {k: [t.to(device) for t in v] for k, v in self.modality_inputs.items()},
+            self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids,
         )
 
 

@@ -39,9 +39,10 @@ class TokenLayout:
 
     @staticmethod
     def from_lengths(lengths: list[int], device: torch.device | str = "cpu", backend: str = "auto") -> TokenLayout:
+        """From host-side lengths: nothing is read back from the device (no stream sync mid-forward)."""
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-        return TokenLayout.from_cu_seqlens(cu.to(device), backend)
+        return TokenLayout(cu_seqlens=cu.to(device), max_seqlen=max(lengths, default=0), backend=backend)
 
     @staticmethod
     def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenLayout:
@@ -66,6 +67,11 @@ def attend_prefix(
     block ending where its key prefix ends): the mask is causal aligned to the bottom-right corner."""
     if _use_varlen(backend, q):
         return _varlen(q, k, v, q_layout, k_layout, causal=True)
+    return _prefix_sdpa(q, k, v, q_layout, k_layout)
+
+
+@torch.compiler.disable  # a Python loop over samples read from the data: nothing to compile
+def _prefix_sdpa(q, k, v, q_layout: TokenLayout, k_layout: TokenLayout) -> torch.Tensor:
     outs = []
     qb, kb = q_layout.cu_seqlens.tolist(), k_layout.cu_seqlens.tolist()
     for qs, qe, ks, ke in zip(qb[:-1], qb[1:], kb[:-1], kb[1:]):
@@ -80,7 +86,7 @@ def attend_prefix(
 def _use_varlen(backend: str, q: torch.Tensor) -> bool:
     if backend == "sdpa":
         return False
-    usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None
+    usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _VARLEN is not None
     if backend == "varlen" and not usable:
         raise RuntimeError(
             f"attention backend 'varlen' needs a CUDA device, bf16/fp16 inputs and "
@@ -89,18 +95,17 @@ def _use_varlen(backend: str, q: torch.Tensor) -> bool:
     return usable
 
 
-def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+try:
+    from torch.nn.attention.varlen import varlen_attn as _VARLEN
+except ImportError:
+    _VARLEN = None
+# read once, not per call: the keyword set differs between releases, and torch.compile traces calls only
+_VARLEN_PARAMS = frozenset(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else frozenset()
 
 
 def _varlen(q, k, v, q_layout: TokenLayout, k_layout: TokenLayout, causal: bool) -> torch.Tensor:
     """FlashAttention varlen; with fewer queries than keys its causal mask is bottom-right aligned."""
-    fn = _varlen_fn()
-    params = inspect.signature(fn).parameters
+    fn, params = _VARLEN, _VARLEN_PARAMS
     kwargs = {}
     # torch 2.11 takes is_causal; later releases express causality as window_size=(-1, 0)
     if "is_causal" in params:
@@ -138,6 +143,7 @@ def _padded_sdpa(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
     return _sdpa(q, k, v, mask, causal).transpose(1, 2)
 
 
+@torch.compiler.disable  # a Python loop over samples read from the data: nothing to compile
 def _packed_sdpa(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
     # One SDPA call per sample: exact, memory O(max_seqlen²) rather than O(tokens²) for a block mask.
     # FlexAttention has no CPU backward and varlen_attn is GPU-only, so this is the CPU path.

@@ -61,7 +61,8 @@ class AudioEncoder(nn.Module):
 
     def forward(self, clips: list[torch.Tensor]) -> torch.Tensor:
         """clips: each [num_features, frames] → [sum of subsampled frames, hidden], clip after clip."""
-        return self.layer_norm(run_packed([self._embed(c) for c in clips], self.layers))
+        pieces = [self._embed(c) for c in clips]
+        return self.layer_norm(run_packed(torch.cat(pieces), [x.shape[0] for x in pieces], self.layers))
 
     def _embed(self, clip: torch.Tensor) -> torch.Tensor:
         x = clip.unsqueeze(0).to(self.conv1.weight.dtype)

@@ -38,11 +38,10 @@ class EncoderLayer(nn.Module):
         return h + self.mlp(self.layer_norm2(h))
 
 
-def run_packed(pieces: list[torch.Tensor], layers: nn.ModuleList) -> torch.Tensor:
-    """Concatenates each item's token rows into one stream and runs the layers; attention stays inside each
-    item (one packed segment per image or clip), so no item is padded to the largest."""
-    layout = TokenLayout.from_lengths([p.shape[0] for p in pieces], device=pieces[0].device)
-    h = torch.cat(pieces)
+def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList) -> torch.Tensor:
+    """Runs the layers over items packed one after another in `h` ([sum of lengths, dim]); attention stays
+    inside each item (one packed segment per image or clip), so no item is padded to the largest."""
+    layout = TokenLayout.from_lengths(lengths, device=h.device)
     for layer in layers:
         h = layer(h, layout)
     return h

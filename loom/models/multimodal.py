@@ -53,12 +53,15 @@ class MultimodalModel(nn.Module):
         """Runs every encoder, also one with no input in this batch (see ModalityEncoder.forward)."""
         return {n: self.encoder(n)(modality_inputs.get(n, [])) for n in self.encoder_names}
 
-    def inserts(self, input_ids: torch.Tensor, modality_embeds: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Placeholder id → embeddings, after checking each modality fills exactly its placeholders."""
+    def inserts(
+        self, input_ids: torch.Tensor, modality_embeds: dict[str, torch.Tensor], slots: dict[str, int] | None = None
+    ) -> dict[int, torch.Tensor]:
+        """Placeholder id → embeddings, after checking each modality fills exactly its placeholders.
+        `slots` (modality → placeholder count) spares counting them on the device, which syncs the stream."""
         out = {}
         for name, emb in modality_embeds.items():
             pid = self.placeholder_ids[name]
-            n_slots = int((input_ids == pid).sum())
+            n_slots = slots[name] if slots is not None else int((input_ids == pid).sum())
             if n_slots != emb.shape[0]:
                 raise ValueError(
                     f"{name}: the batch has {n_slots} placeholder tokens but the encoder produced "

@@ -56,12 +56,14 @@ class VisionEncoder(nn.Module):
 
     def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
         """images: each [channels, H, W] → patch features [sum of patches, hidden], image after image."""
-        return self.post_layernorm(run_packed([self._embed(img) for img in images], self.layers))
-
-    def _embed(self, image: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embedding(image.unsqueeze(0).to(self.patch_embedding.weight.dtype))  # [1, D, h, w]
-        h, w = x.shape[-2:]
-        return x.flatten(2).transpose(1, 2)[0] + self._positions(h, w)
+        p = self.cfg.patch_size
+        grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
+        conv = self.patch_embedding
+        # the stride-p convolution as one matmul over every image's patches: no per-size cuDNN plan per image
+        patches = torch.cat([_patchify(img, p, h, w) for img, (h, w) in zip(images, grids)])
+        x = F.linear(patches.to(conv.weight.dtype), conv.weight.flatten(1), conv.bias)
+        x = x + torch.cat([self._positions(h, w) for h, w in grids])
+        return self.post_layernorm(run_packed(x, [h * w for h, w in grids], self.layers))
 
     def _positions(self, h: int, w: int) -> torch.Tensor:
         g = self.cfg.position_grid
@@ -74,6 +76,12 @@ class VisionEncoder(nn.Module):
         rows, cols = _bicubic_matrix(g, h, table.device), _bicubic_matrix(g, w, table.device)
         grid = table.reshape(g, g, -1)
         return torch.einsum("hi,ijd,wj->hwd", rows.to(table.dtype), grid, cols.to(table.dtype)).reshape(h * w, -1)
+
+
+def _patchify(image: torch.Tensor, p: int, h: int, w: int) -> torch.Tensor:
+    """[C, H, W] → [h·w, C·p·p], patches row-major, each flattened as (C, p, p) like the conv's weight."""
+    c = image.shape[0]
+    return image[:, : h * p, : w * p].reshape(c, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
 
 
 @functools.lru_cache(maxsize=256)

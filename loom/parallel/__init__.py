@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from loom.config import ConfigError, JobConfig
 from loom.models.multimodal import MultimodalModel
+from loom.parallel.blocks import transformer_blocks
 from loom.parallel.fsdp import apply_fsdp, mixed_precision
 from loom.parallel.tensor import apply_encoder_tp, apply_llm_tp, tp_unsupported
 from loom.topology import Topology
@@ -32,12 +33,6 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
         # under cp the LLM's gradients must be summed over dp × cp: a (dp, cp) mesh makes FSDP2 replicate
         # over dp and shard over cp (HSDP), reducing over both, with the tp mesh on the same root
         dims = ("dp", "cp") if lay.cp > 1 else ("dp",)
-        apply_fsdp(module, _blocks(name, module), grid.mesh(*dims, device_type=device_type), mp,
+        apply_fsdp(module, transformer_blocks(name, module), grid.mesh(*dims, device_type=device_type), mp,
                    cfg.parallel.reshard_after_forward)
 
-
-def _blocks(name: str, module: nn.Module) -> list[nn.Module]:
-    """The units FSDP gathers one at a time: transformer layers."""
-    if name == "language":
-        return list(module.layers.values())
-    return list(module.encoder.layers)

@@ -73,6 +73,7 @@ class ContextShard:
     q_layouts: tuple[TokenLayout, TokenLayout]  # per-sample query lengths of each half
     k_layouts: tuple[TokenLayout, TokenLayout]  # per-sample key prefix lengths of each half
 
+    @torch.compiler.disable  # its K/V collectives stay eager: a compiled block splits around them
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: str) -> torch.Tensor:
         if not causal:
             raise ValueError("context parallel attention is causal only (encoders do not use cp)")

@@ -20,6 +20,7 @@ from loom.data.tokenizer import ByteTokenizer
 from loom.models.hf import make_module
 from loom.models.multimodal import MultimodalModel, build_model
 from loom.parallel import parallelize
+from loom.parallel.compile import compile_blocks
 from loom.topology import Topology
 from loom.train.optim import freeze_modules
 from loom.train.step import StepBatch, StepComms
@@ -95,6 +96,8 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
     """One process: nothing to do. Under torchrun: build every group, apply each module's layout, and build
     the bridges."""
     modules = [*model.encoder_names, "language"]
+    if cfg.train.compile:  # traced lazily at the first step, so the layout below is what it sees
+        compile_blocks(model, modules)
     if not dist.is_initialized():
         return RankPlan(None, StepComms(), {m: (0, 1) for m in modules})
     topo = Topology.build(cfg)

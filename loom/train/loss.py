@@ -14,3 +14,13 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+# Compiled, the fp32 upcast fuses into the softmax: fp32 logits over a 150K vocabulary are never stored
+# whole, and the backward writes the logits' gradient in their own dtype in one pass.
+compiled_token_loss_sum = torch.compile(token_loss_sum)
+
+
+def loss_function(compile: bool, loss_parallel: bool):
+    """The token loss to use: compiled when asked, except on vocab-sharded (DTensor) logits."""
+    return compiled_token_loss_sum if compile and not loss_parallel else token_loss_sum

@@ -19,7 +19,7 @@ from loom.config import TrainConfig
 from loom.data.batch import Batch
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.context import shard_for_context
-from loom.train.loss import token_loss_sum
+from loom.train.loss import loss_function
 from loom.train.optim import clip_and_check, set_lr
 
 
@@ -75,7 +75,8 @@ def forward(
     for name in model.encoder_names:
         rows = model.encoder(name)(inputs.encoder_items.get(name, []))
         embeds[name] = bridges[name](rows, inputs.rows_per_sample[name]) if bridges else rows
-    inserts = model.inserts(inputs.llm.input_ids, embeds)  # checked against the whole share
+    slots = {name: inputs.llm.count(pid) for name, pid in model.placeholder_ids.items()}
+    inserts = model.inserts(inputs.llm.input_ids, embeds, slots)  # checked against the whole share
     if selectors:
         inserts = {pid: rows[selectors[pid]] for pid, rows in inserts.items()}
     return model.language(llm.input_ids, llm.positions, llm.layout, inserts)
@@ -100,7 +101,7 @@ def train_step(
     with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
         with autocast():
             logits = forward(model, inputs, batch, bridges, selectors)
-        loss_sum = token_loss_sum(logits, batch.labels)
+        loss_sum = loss_function(cfg.compile, comms.loss_parallel)(logits, batch.labels)
         (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
     norm, finite = clip_and_check(model, cfg.grad_clip)
     if finite:

@@ -9,6 +9,7 @@ post-step weights (max |w - w_ref| over the module / max |w_ref| over the module
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +73,13 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     optimizer, ref_optimizer = ModuleOptimizers(model, modules, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
     train_set, _ = build_datasets(cfg)
     batches = build_batches(cfg, train_set, tok, counters)
+    eager = dataclasses.replace(cfg.train, compile=False)  # the reference is plain eager PyTorch
     checks = []
     for step in range(steps):
         mine = step_batch(batches, step, plan, cfg, tok, counters, device)
         full = StepBatch.of(collate(batches.shard(step), cfg, tok).to(device))
         r = train_step(model, optimizer, mine, cfg.train, step, plan.comms, plan.bridges)
-        ref = train_step(reference, ref_optimizer, full, cfg.train, step, StepComms())
+        ref = train_step(reference, ref_optimizer, full, eager, step, StepComms())
         diffs = weight_differences(full_weights(model, plan.distributed), reference)
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm, diffs, tolerance))
     if plan.is_logger:

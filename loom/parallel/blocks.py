@@ -1,0 +1,11 @@
+"""The transformer blocks of each module: the units FSDP gathers one at a time and torch.compile traces."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def transformer_blocks(name: str, module: nn.Module) -> list[nn.Module]:
+    if name == "language":
+        return list(module.layers.values())
+    return list(module.encoder.layers)
