@@ -7,7 +7,8 @@
 
 Workload (random init, fixed seed, the same samples for every contender): a Qwen2.5-1.5B-shaped LLM, a
 SigLIP-so400m-shaped ViT (patch 14), a small Whisper-shaped audio encoder; images 224–448 px, text
-64–1024 tokens, audio on one sample in four; three samples per GPU per step, packed into `--seq` tokens.
+64–1024 tokens, audio on one sample in four; three samples per GPU per step for every 4096 tokens of
+`--seq`, packed into one sequence of `--seq` tokens per GPU.
 Prints one JSON line (rank 0): real LLM tokens/s per GPU, TFLOP/s per GPU and MFU (bench/flops.py, against
 an 8192³ bf16 matmul measured in the same run), peak memory, step time, padding fraction.
 `--small` shrinks everything for a CPU smoke run (CI runs it).
@@ -38,7 +39,7 @@ VIT = ["--model.vision.hidden_size=1152", "--model.vision.num_layers=27", "--mod
 AUDIO = ["--model.audio.num_features=80", "--model.audio.hidden_size=384", "--model.audio.num_layers=4",
          "--model.audio.num_heads=6", "--model.audio.intermediate_size=1536"]
 SMALL_MODEL = ["--model.vision.patch_size=4", "--model.audio.num_features=16"]
-PER_GPU = 3  # samples per GPU per step
+SAMPLES_PER_4K = 3  # samples per GPU per step for each 4096 tokens of --seq
 
 
 def layout_overrides(layout: str, world: int) -> list[str]:
@@ -85,12 +86,13 @@ def main() -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     gpu = device.type == "cuda"
     shape = SMALL if args.small else Shape()
-    workload = PackedSteps(shape, world, PER_GPU, args.seq)
+    per_gpu = max(1, SAMPLES_PER_4K * args.seq // 4096)
+    workload = PackedSteps(shape, world, per_gpu, args.seq)
     sizes = SMALL_MODEL if args.small else LLM + VIT + AUDIO
     cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
         *([f"--data.pad_to_multiple={args.seq}"] if args.format == "bshd" and args.pad_to == "seq" else []),
-        f"--train.global_batch_size={world * PER_GPU}", "--data.train_size=1000000",
+        f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000",
     ] + [f"--{kv}" for kv in args.set], world_size=world)
     if args.system == "loom":
         from bench.contender_loom import LoomContender as Contender
@@ -130,7 +132,7 @@ def main() -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({
             "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
-            "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq,
+            "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq, "samples_per_gpu": per_gpu,
             "pad_to": args.pad_to if args.format == "bshd" or args.system == "hf" else None, "adam": args.adam,
             "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(real_tokens / step_s / world, 1),

@@ -42,7 +42,9 @@ class TokenLayout:
         """From host-side lengths: nothing is read back from the device (no stream sync mid-forward)."""
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-        return TokenLayout(cu_seqlens=cu.to(device), max_seqlen=max(lengths, default=0), backend=backend)
+        # non_blocking: a plain host-to-device copy would also wait for the stream to drain
+        cu = cu.to(device, non_blocking=True)
+        return TokenLayout(cu_seqlens=cu, max_seqlen=max(lengths, default=0), backend=backend)
 
     @staticmethod
     def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenLayout:

@@ -61,15 +61,25 @@ class AudioEncoder(nn.Module):
 
     def forward(self, clips: list[torch.Tensor]) -> torch.Tensor:
         """clips: each [num_features, frames] → [sum of subsampled frames, hidden], clip after clip."""
-        pieces = [self._embed(c) for c in clips]
+        dtype = self.conv1.weight.dtype
+        frames = _conv_frames([c.to(dtype) for c in clips], self.conv1)
+        frames = _conv_frames([F.gelu(x).T for x in frames], self.conv2)
+        pieces = [self._add_positions(F.gelu(x)) for x in frames]
         return self.layer_norm(run_packed(torch.cat(pieces), [x.shape[0] for x in pieces], self.layers))
 
-    def _embed(self, clip: torch.Tensor) -> torch.Tensor:
-        x = clip.unsqueeze(0).to(self.conv1.weight.dtype)
-        x = F.gelu(self.conv2(F.gelu(self.conv1(x))))[0].transpose(0, 1)  # [frames/2, d]
+    def _add_positions(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.cfg.max_positions:
             raise ValueError(
                 f"audio: clip gives {x.shape[0]} frames after subsampling, more than "
                 f"model.audio.max_positions={self.cfg.max_positions}; shorten the clip or raise max_positions"
             )
         return x + self.embed_positions[: x.shape[0]].to(x.dtype)
+
+
+def _conv_frames(clips: list[torch.Tensor], conv: nn.Conv1d) -> list[torch.Tensor]:
+    """`conv` over each [channels, frames] clip → [out frames, out channels] per clip, computed as one matmul
+    over every clip's windows (the same sums; no per-length cuDNN plan per clip)."""
+    k, s, p = conv.kernel_size[0], conv.stride[0], conv.padding[0]
+    windows = [F.pad(x, (p, p)).unfold(-1, k, s).transpose(0, 1).flatten(1) for x in clips]  # [T', C·k]
+    out = F.linear(torch.cat(windows), conv.weight.flatten(1), conv.bias)
+    return list(out.split([w.shape[0] for w in windows]))

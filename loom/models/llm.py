@@ -109,8 +109,18 @@ class DecoderLM(nn.Module):
         Everything runs inside this forward so FSDP's hooks gather the embedding and head weights."""
         h = self.embed_tokens(input_ids)
         for token_id, rows in (inserts or {}).items():
-            h = h.masked_scatter((input_ids == token_id).unsqueeze(-1), rows.to(h.dtype))
+            h = _place_rows(h, input_ids == token_id, rows.to(h.dtype))
         rope = self.rotary(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, layout)
         return self.lm_head(self.norm(h))
+
+
+def _place_rows(h: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`h` with its masked tokens replaced, in order, by `rows`: masked_scatter's result, but nothing here
+    waits for the device (masked_scatter's backward selects by the mask, whose size the host must read)."""
+    # a zero row for the unmasked tokens to point at; it also keeps an empty `rows` in the graph, so an
+    # encoder without inputs this step still gets its (zero) gradients
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+    source = torch.where(mask, mask.flatten().cumsum(0).view(mask.shape) - 1, rows.shape[0])
+    return torch.where(mask.unsqueeze(-1), padded[source], h)
