@@ -20,13 +20,21 @@ def test_cp_long_small_runs_on_two_cpu_ranks():
     assert result["loss"] > 0
 
 
-def test_multimodal_bench_small_runs_every_contender():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    for args in (["--system", "loom", "--layout", "heterogeneous"], ["--system", "loom", "--format", "bshd"],
-                 ["--system", "hf"]):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "bench/mm_bench.py", *args, "--small", "--steps", "1", "--warmup", "1"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        result = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("{")))
-        assert result["tokens_per_s_per_gpu"] > 0 and result["loss"] > 0
+def test_multimodal_table_small_runs_every_contender(tmp_path):
+    """bench/run_mm.sh on 2 CPU ranks, --small: every row of the GPU table runs, and bench.table reads them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "EXTRA": "--small", "SEQ": "256", "STEPS": "1",
+           "WARMUP": "1"}
+    out = tmp_path / "mm.jsonl"
+    run = subprocess.run(["bash", "bench/run_mm.sh", str(out), "2"], capture_output=True, text=True, timeout=900,
+                         env=env)
+    assert run.returncode == 0 and "failed" not in run.stderr, run.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 7
+    assert {(r["system"], r["layout"], r["format"]) for r in rows} >= {
+        ("loom", "homogeneous", "thd"), ("loom", "heterogeneous", "thd"), ("loom", "homogeneous", "bshd"),
+        ("hf", "fsdp2", "bshd")}
+    assert all(r["tokens_per_s_per_gpu"] > 0 and r["loss"] > 0 for r in rows)
+    padded = [r for r in rows if r["format"] == "bshd" and r["system"] == "loom"]
+    assert sorted(r["padding_fraction"] for r in padded)[0] < sorted(r["padding_fraction"] for r in padded)[1]
+    table = subprocess.run([sys.executable, "-m", "bench.table", str(out)], capture_output=True, text=True, env=env)
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == 2 + len(rows)

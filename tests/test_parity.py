@@ -1,6 +1,7 @@
 """Every layout equals the one-process reference: loss, grad norm and post-step weights of every module, over
 3 optimizer steps with clipping active, on N gloo ranks — one layout for all modules (FSDP2 + TP/SP), and a
-layout per module joined by the colocated bridge (fan-in, fan-out, a frozen encoder), and context parallelism.
+layout per module joined by the colocated bridge (fan-in, fan-out, a frozen encoder), context parallelism,
+and per-block torch.compile against the eager reference.
 
 The default vision + audio + text model and task mix are used (images of different sizes, clips of
 different lengths in every batch). A directed test breaks the global token count and checks that
@@ -22,6 +23,7 @@ BASE = ["--train.global_batch_size=16", "--data.train_size=2000"]
 TP = ["--layout.vision.tp={t}", "--layout.audio.tp={t}", "--layout.language.tp={t}"]
 SP = ["--layout.language.sequence_parallel=true"]
 CP2 = ["--layout.language.cp=2", "--data.pad_to_multiple=4"]
+COMPILE = ["--train.compile=true"]
 
 
 def tp(t: int) -> list[str]:
@@ -81,6 +83,11 @@ LAYOUTS = {
     "cp4": (4, ["--layout.language.cp=4", "--data.pad_to_multiple=8"]),
     "fan-in-vision-dp4-llm-cp2xdp2": (4, CP2 + ["--layout.vision.tp=1"]),
     "fan-out-vision-dp2-llm-cp2xdp4": (8, CP2 + ["--layout.vision.tp=4"]),
+    # torch.compile per block (eager hooks of FSDP/TP around it; CP attention eager inside it)
+    "compiled-dp1": (1, COMPILE),
+    "compiled-fan-in-llm-tp2-sp": (4, COMPILE + ["--layout.vision.tp=1", "--layout.language.tp=2",
+                                                 "--data.pad_to_multiple=2"] + SP),
+    "compiled-cp2": (2, COMPILE + CP2),
 }
 
 
