@@ -38,10 +38,20 @@ class EncoderLayer(nn.Module):
         return h + self.mlp(self.layer_norm2(h))
 
 
+# the packed stream is rounded up to this many rows with a filler item (attending only to itself, dropped
+# after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
+ROW_MULTIPLE = 64
+
+
 def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList) -> torch.Tensor:
     """Runs the layers over items packed one after another in `h` ([sum of lengths, dim]); attention stays
     inside each item (one packed segment per image or clip), so no item is padded to the largest."""
+    rows = h.shape[0]
+    fill = -rows % ROW_MULTIPLE
+    if fill:
+        h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
+        lengths = [*lengths, fill]
     layout = TokenLayout.from_lengths(lengths, device=h.device)
     for layer in layers:
         h = layer(h, layout)
-    return h
+    return h[:rows]

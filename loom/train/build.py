@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -10,10 +11,10 @@ import torch.distributed as dist
 
 from loom.bridge.colocated import ColocatedBridge
 from loom.config import ConfigError, JobConfig
-from loom.data.batch import Batch, pad_samples
+from loom.data.batch import Batch, pad_samples, round_up
 from loom.data.format import TokenCounter, to_sample
 from loom.data.loader import GlobalBatches
-from loom.data.packing import pack_samples
+from loom.data.packing import pack_samples, packed_length
 from loom.data.sample import Sample
 from loom.data.tasks import TaskDataset
 from loom.data.tokenizer import ByteTokenizer
@@ -66,11 +67,18 @@ def build_batches(cfg: JobConfig, train_set: TaskDataset, tok: ByteTokenizer, co
     return GlobalBatches(train_set, cfg.train.global_batch_size, cfg.data.seed, lambda ex: to_sample(ex, tok, counters))
 
 
+COMPILED_TOKEN_MULTIPLE = 64
+
+
 def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer) -> Batch:
     d, backend = cfg.data, cfg.model.attention
+    # compiled blocks specialise on the token count's alignment and size range, and under FSDP one rank's
+    # recompile stalls them all: rounding the count up to a multiple of 64 keeps the variants few
+    step = math.lcm(d.pad_to_multiple, COMPILED_TOKEN_MULTIPLE) if cfg.train.compile else d.pad_to_multiple
     if d.format == "thd":
-        return pack_samples(samples, tok.pad_id, d.pad_to_multiple, backend=backend)
-    return pad_samples(samples, tok.pad_id, d.pad_to_multiple, backend=backend)
+        pack_len = round_up(packed_length(samples, d.pad_to_multiple), step)
+        return pack_samples(samples, tok.pad_id, d.pad_to_multiple, pack_len, backend=backend)
+    return pad_samples(samples, tok.pad_id, step, backend=backend)
 
 
 @dataclass
