@@ -109,6 +109,7 @@ class LayoutConfig:
 class ParallelConfig:
     backend: str = choice("auto", "auto", "gloo", "nccl")  # auto: NCCL with CUDA, gloo without
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (less memory)
+    blocks_per_unit: int = 1  # FSDP2: consecutive blocks gathered together (fewer, larger collectives and hooks)
     debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks
 
 
@@ -271,6 +272,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "data.train_size": d.train_size,
             "data.heldout_size": d.heldout_size,
             "data.pad_to_multiple": d.pad_to_multiple,
+            "parallel.blocks_per_unit": cfg.parallel.blocks_per_unit,
             "model.language.num_layers": m.language.num_layers,
             "model.language.num_heads": m.language.num_heads,
             "model.language.num_kv_heads": m.language.num_kv_heads,

@@ -66,6 +66,7 @@ LAYOUTS = {
     "tp4": (4, tp(4) + ["--model.language.num_heads=8", "--model.language.num_kv_heads=4"]),
     "dp2xtp2": (4, tp(2)),
     "dp2xtp2-sp-bshd": (4, tp(2) + SP + ["--data.pad_to_multiple=2", "--data.format=bshd"]),
+    "dp4-fsdp-units-of-3-blocks": (4, ["--parallel.blocks_per_unit=3"]),
     "dp8": (8, []),
     "dp4xtp2": (8, tp(2)),
     "dp4xtp2-sp": (8, tp(2) + SP + ["--data.pad_to_multiple=2"]),

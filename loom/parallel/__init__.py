@@ -34,5 +34,5 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
         # over dp and shard over cp (HSDP), reducing over both, with the tp mesh on the same root
         dims = ("dp", "cp") if lay.cp > 1 else ("dp",)
         apply_fsdp(module, transformer_blocks(name, module), grid.mesh(*dims, device_type=device_type), mp,
-                   cfg.parallel.reshard_after_forward)
+                   cfg.parallel.reshard_after_forward, cfg.parallel.blocks_per_unit)
 

@@ -1,4 +1,5 @@
-"""FSDP2 over a module's dp group: each block is its own unit (all-gathered just in time), then the root.
+"""FSDP2 over a module's dp group: each block (or run of `blocks_per_unit` blocks) is its own unit, all-gathered
+just in time, then the root.
 
 Gradients are *summed* over dp (divide factor 1): the loss is already divided by the global token count,
 so a mean over replicas would divide twice.
@@ -26,10 +27,18 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(
-    module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool
+    module: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    blocks_per_unit: int = 1,
 ) -> None:
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # a unit of k consecutive blocks: one all-gather / reduce-scatter and one set of hooks for all k
+    for i in range(0, len(blocks), blocks_per_unit):
+        unit = blocks[i : i + blocks_per_unit]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward)
     # the root keeps its parameters gathered after forward: the backward needs them at once
     fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     gloo = dist.get_backend(mesh.get_group(0)) == "gloo"
