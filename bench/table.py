@@ -10,7 +10,7 @@ def label(r: dict) -> str:
     if r["system"] == "hf":
         return "HF Llava + FSDP2, padded to longest"
     what = "packed (THD)" if r["format"] == "thd" else f"padded to {r.get('pad_to') or 'longest'}"
-    extras = [o for o in r["overrides"]]
+    extras = list(r["overrides"]) + (["foreach AdamW"] if r.get("adam") == "foreach" else [])
     return f"loom {r['layout']}, {what}" + (f" [{', '.join(extras)}]" if extras else "")
 
 
