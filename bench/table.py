@@ -15,7 +15,8 @@ def label(r: dict) -> str:
 
 
 def main(path: str) -> None:
-    rows = [json.loads(line) for line in open(path) if line.startswith("{")]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.startswith("{")]
     print("| GPUs | seq | contender | tokens/s per GPU | TFLOP/s per GPU | MFU | peak memory (GiB) | padding | step (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+
 @dataclass(frozen=True)
 class TokenLayout:
     """How the tokens of one batch are arranged; built once per batch, shared by every layer."""

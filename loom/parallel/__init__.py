@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch.nn as nn
-
 from loom.config import ConfigError, JobConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.blocks import transformer_blocks

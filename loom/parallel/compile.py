@@ -2,8 +2,10 @@
 
 Each block's `forward` is compiled in place of the module: the module stays what it was (same parameter
 names for checkpoints and Hugging Face export), and the hooks that FSDP2 and TP install on it run eagerly
-around the compiled body. Blocks of one module share their code, so one graph serves them all; the token
-count changes every step, so the second step recompiles once with dynamic sizes and then stays.
+around the compiled body. Blocks of one module share their code, so one graph serves them all. The token
+count changes every step: the second step recompiles with dynamic sizes, and the guards that remain
+(alignment, size ranges) see few variants because token counts are rounded up to 64 (train/build.py
+`collate`, models/encoder_layer.py `run_packed`).
 """
 
 from __future__ import annotations
