@@ -38,7 +38,7 @@ def _bridge(overrides: list[str]) -> dict:
     enc_samples = range(e * B // de, (e + 1) * B // de)
     llm_samples = range(l * B // dl, (l + 1) * B // dl)
     x = rows_of(enc_samples).requires_grad_(True)
-    out = bridge(x, [ROWS[i] for i in enc_samples])
+    out = bridge(x, [ROWS[i] for i in enc_samples], [ROWS[i] for i in llm_samples])
     # a known gradient: the same on every rank of an LLM replica (as the LLM's replicated input grad is)
     grad = -rows_of(llm_samples)
     out.backward(grad)
@@ -88,7 +88,7 @@ def _replication_check_catches_divergence() -> str:
     bridge = ColocatedBridge(topo.grids["vision"], topo.grids["language"], B, debug_checks=True)
     x = torch.ones(2, H) * (1 + dist.get_rank())  # tp ranks of one replica disagree
     try:
-        bridge(x, [1, 1])
+        bridge(x, [1, 1], [1, 1, 1, 1])
     except RuntimeError as e:
         return str(e)
     return ""

@@ -121,3 +121,4 @@ def test_without_the_cp_sum_in_the_bridge_backward_the_encoder_gradient_is_wrong
         assert steps[0]["norm"] > 1e-3  # the encoders' part of the global gradient is missing pieces
         assert steps[0]["weights"]["language"] <= TOLERANCE  # the LLM itself is not affected at step 1
         assert max(steps[0]["weights"]["vision"], steps[0]["weights"]["audio"]) > 1e-4
+

@@ -10,7 +10,8 @@ other module:
 - equal: the replicas coincide; nothing moves.
 Rows are ragged — samples carry different numbers of modality tokens — so only flat [rows, hidden] tensors
 move: each replica's first rank sends its rows to every rank of the block (all_to_all_single with uneven
-splits), the other ranks send none, and row counts are exchanged first.
+splits), the other ranks send none. Every rank knows every sender's row count from host data (the samples
+of its own encoder and LLM shares), so nothing is read back from the device.
 """
 
 from __future__ import annotations
@@ -21,20 +22,18 @@ import torch.distributed as dist
 from loom.topology.grid import Grid
 
 
-def exchange_rows(x: torch.Tensor, send: bool, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int]]:
-    """Every sender's rows, concatenated in group-rank order, on every rank of the group; and the row count
-    each member contributed (0 for non-senders)."""
+def exchange_rows(x: torch.Tensor, counts: list[int], me: int, send: bool, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every sender's rows, concatenated in group-rank order, on every rank of the group. counts[i]: the rows
+    group member i sends (0 for a non-sender); `me` is this rank's index in the group."""
+    if send and x.shape[0] != counts[me]:
+        raise RuntimeError(f"bridge: this rank holds {x.shape[0]} rows, but its samples say it sends {counts[me]}")
     size = dist.get_world_size(group)
-    n = x.shape[0] if send else 0
-    gathered = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(size)]
-    dist.all_gather(gathered, torch.tensor([n], dtype=torch.int64, device=x.device), group=group)
-    counts = [int(c) for c in gathered]
     payload = x if send else x[:0]
     out = x.new_empty((sum(counts), *x.shape[1:]))
     dist.all_to_all_single(
-        out, payload.repeat(size, *([1] * (x.dim() - 1))).contiguous(), counts, [n] * size, group=group
+        out, payload.repeat(size, *([1] * (x.dim() - 1))).contiguous(), counts, [counts[me]] * size, group=group
     )
-    return out, counts
+    return out
 
 
 class _GatherRows(torch.autograd.Function):
@@ -42,9 +41,9 @@ class _GatherRows(torch.autograd.Function):
     every rank of the block holds the same full gradient)."""
 
     @staticmethod
-    def forward(ctx, x, send: bool, sender_index: int, group, cp_group) -> torch.Tensor:
+    def forward(ctx, x, counts: list[int], me: int, send: bool, sender_index: int, group, cp_group) -> torch.Tensor:
         """sender_index: group rank of the member that sends this rank's replica (its first rank)."""
-        out, counts = exchange_rows(x, send, group)
+        out = exchange_rows(x, counts, me, send, group)
         ctx.offset = sum(counts[:sender_index])
         ctx.rows, ctx.cp_group = x.shape[0], cp_group
         return out
@@ -52,7 +51,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = _sum_over_context(grad, ctx.cp_group)
-        return grad[ctx.offset : ctx.offset + ctx.rows], None, None, None, None
+        return grad[ctx.offset : ctx.offset + ctx.rows], None, None, None, None, None, None
 
 
 class _NarrowRows(torch.autograd.Function):
@@ -60,17 +59,15 @@ class _NarrowRows(torch.autograd.Function):
     replica's gradient rows (one sender per replica) back into the encoder replica's full order."""
 
     @staticmethod
-    def forward(ctx, x, start: int, length: int, send_grad: bool, group, cp_group):
-        ctx.send_grad, ctx.group, ctx.rows, ctx.cp_group = send_grad, group, x.shape[0], cp_group
+    def forward(ctx, x, start: int, length: int, counts: list[int], me: int, send: bool, group, cp_group):
+        ctx.counts, ctx.me, ctx.send, ctx.group, ctx.cp_group = counts, me, send, group, cp_group
         return x[start : start + length].clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = _sum_over_context(grad, ctx.cp_group)
-        full, _ = exchange_rows(grad.contiguous(), ctx.send_grad, ctx.group)
-        if full.shape[0] != ctx.rows:
-            raise RuntimeError(f"bridge backward gathered {full.shape[0]} gradient rows for {ctx.rows} embeddings")
-        return full, None, None, None, None, None
+        full = exchange_rows(grad.contiguous(), ctx.counts, ctx.me, ctx.send, ctx.group)
+        return full, None, None, None, None, None, None, None
 
 
 def _sum_over_context(grad: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -108,35 +105,53 @@ class ColocatedBridge:
         self.src_dp, self.dst_dp = src.layout.dp, dst.layout.dp
         self.src_coord, self.dst_coord = src.coord(me), dst.coord(me)
         self.src_share, self.dst_share = global_batch // self.src_dp, global_batch // self.dst_dp
-        if self.src_dp > self.dst_dp:  # fan-in: the block is the LLM replica
+        self.senders: list[int | None] = []  # per group member: the replica (dp index) it sends, or None
+        if self.src_dp > self.dst_dp:  # fan-in: the block is the LLM replica, each encoder replica sends
             self.mode = "fan-in"
             self.group = dst.group("tp", "cp")
-            self.send = self.src_coord["tp"] == 0
+            members = dist.get_process_group_ranks(self.group)
+            self.senders = [src.coord(r)["dp"] if src.coord(r)["tp"] == 0 else None for r in members]
             # encoder replicas are contiguous runs of ranks (tp fastest): the first one of mine sends
-            self.sender_index = dist.get_group_rank(self.group, me) - self.src_coord["tp"]
-        elif self.src_dp < self.dst_dp:  # fan-out: the block is the encoder replica
+            self.sender_index = members.index(me) - self.src_coord["tp"]
+        elif self.src_dp < self.dst_dp:  # fan-out: the block is the encoder replica, each LLM replica sends
             self.mode = "fan-out"
             self.group = src.group("tp")
-            self.send = self.dst_coord["tp"] == 0 and self.dst_coord["cp"] == 0
+            members = dist.get_process_group_ranks(self.group)
+            first = lambda c: c["tp"] == 0 and c["cp"] == 0  # noqa: E731
+            self.senders = [dst.coord(r)["dp"] if first(dst.coord(r)) else None for r in members]
         else:
-            self.mode, self.group, self.send = "equal", None, True
+            self.mode, self.group = "equal", None
+            members = [me]
+        self.me = members.index(me)
+        self.send = bool(self.senders) and self.senders[self.me] is not None
         self.cp_group = dst.group("cp") if dst.layout.cp > 1 else None
 
-    def __call__(self, rows: torch.Tensor, rows_per_sample: list[int]) -> torch.Tensor:
+    def _counts(self, rows_per_sample: list[int], first_sample: int, share: int) -> list[int]:
+        """Rows each group member sends: its replica's samples, read from a share whose first sample (in the
+        global batch) is `first_sample` and that holds every sender's samples."""
+        counts = []
+        for dp in self.senders:
+            start = dp * share - first_sample if dp is not None else 0
+            counts.append(sum(rows_per_sample[start : start + share]) if dp is not None else 0)
+        return counts
+
+    def __call__(self, rows: torch.Tensor, rows_per_sample: list[int], llm_rows_per_sample: list[int]) -> torch.Tensor:
         """rows: this rank's encoder output ([rows, hidden], sample after sample, its encoder replica's
-        samples); rows_per_sample: each of those samples' row count. Returns the rows of the LLM replica's
-        samples, in sample order."""
+        samples); rows_per_sample / llm_rows_per_sample: the row count of each sample of this rank's encoder
+        share / LLM share. Returns the rows of the LLM replica's samples, in sample order."""
         if self.debug_checks:
             check_replicated(rows, self.src.group("tp"), f"{self.src.module} encoder")
         if self.mode == "equal":
             return _SumOverContext.apply(rows, self.cp_group) if self.cp_group is not None else rows
-        if self.mode == "fan-in":
-            return _GatherRows.apply(rows, self.send, self.sender_index, self.group, self.cp_group)
+        if self.mode == "fan-in":  # the LLM share holds every encoder replica's samples of the block
+            counts = self._counts(llm_rows_per_sample, self.dst_coord["dp"] * self.dst_share, self.src_share)
+            return _GatherRows.apply(rows, counts, self.me, self.send, self.sender_index, self.group, self.cp_group)
         # fan-out: the LLM replica's samples are a contiguous run inside the encoder replica's samples
         first = self.dst_coord["dp"] * self.dst_share - self.src_coord["dp"] * self.src_share
         start = sum(rows_per_sample[:first])
         length = sum(rows_per_sample[first : first + self.dst_share])
-        return _NarrowRows.apply(rows, start, length, self.send, self.group, self.cp_group)
+        counts = self._counts(rows_per_sample, self.src_coord["dp"] * self.src_share, self.dst_share)
+        return _NarrowRows.apply(rows, start, length, counts, self.me, self.send, self.group, self.cp_group)
 
 
 def check_replicated(x: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:

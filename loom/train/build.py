@@ -127,12 +127,14 @@ def step_batch(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: J
                counters: dict[str, TokenCounter], device: torch.device) -> StepBatch:
     """This rank's inputs of global batch `step`: the LLM's share as tokens, each encoder's share as items."""
     llm_samples = batches.shard(step, *plan.shares["language"])
-    items, rows = {}, {}
+    items, rows, llm_rows = {}, {}, {}
     for name, counter in counters.items():
         samples = llm_samples if plan.shares[name] == plan.shares["language"] else batches.shard(step, *plan.shares[name])
         items[name] = [item.to(device) for s in samples for item in s.items(name)]
         rows[name] = [sum(counter(item) for item in s.items(name)) for s in samples]
-    return StepBatch(collate(llm_samples, cfg, tok).to(device), items, rows, sum(len(s) for s in llm_samples))
+        llm_rows[name] = [sum(counter(item) for item in s.items(name)) for s in llm_samples]
+    batch = collate(llm_samples, cfg, tok).to(device)
+    return StepBatch(batch, items, rows, llm_rows, sum(len(s) for s in llm_samples))
 
 
 def _require_supported(topo: Topology) -> None:

@@ -37,12 +37,14 @@ class StepBatch:
     llm: Batch
     encoder_items: dict[str, list[torch.Tensor]]  # per encoder, in placeholder order of its share
     rows_per_sample: dict[str, list[int]]  # per encoder: modality tokens of each sample of its share
+    llm_rows_per_sample: dict[str, list[int]]  # per encoder: its modality tokens of each sample of the LLM share
     tokens: int  # real tokens of the LLM share (padding excluded)
 
     @staticmethod
     def of(batch: Batch, rows_per_sample: dict[str, list[int]] | None = None, tokens: int = 0) -> StepBatch:
         """Every module reads the same samples (one process, or one layout): the batch's own items."""
-        return StepBatch(batch, batch.modality_inputs, rows_per_sample or {}, tokens)
+        rows = rows_per_sample or {}
+        return StepBatch(batch, batch.modality_inputs, rows, rows, tokens)
 
 
 @dataclass
@@ -74,7 +76,9 @@ def forward(
     embeds = {}
     for name in model.encoder_names:
         rows = model.encoder(name)(inputs.encoder_items.get(name, []))
-        embeds[name] = bridges[name](rows, inputs.rows_per_sample[name]) if bridges else rows
+        if bridges:
+            rows = bridges[name](rows, inputs.rows_per_sample[name], inputs.llm_rows_per_sample[name])
+        embeds[name] = rows
     slots = {name: inputs.llm.count(pid) for name, pid in model.placeholder_ids.items()}
     inserts = model.inserts(inputs.llm.input_ids, embeds, slots)  # checked against the whole share
     if selectors:
