@@ -7,7 +7,7 @@ set -u
 out=$1; counts=${2:-"1 4"}; steps=${STEPS:-10}; warmup=${WARMUP:-3}; seq=${SEQ:-4096}
 extra=${EXTRA:-}  # e.g. --small: the CPU form CI runs
 export PYTHONPATH=${PYTHONPATH:-.}
-compiled="--set train.compile=true"
+compiled=${COMPILED---set train.compile=true}  # COMPILED="" runs the "compiled" rows eager
 run() {
   local n=$1; shift
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) torchrun --standalone --nproc-per-node="$n" bench/mm_bench.py \
