@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 
 from bench.flops import step_flops
 from bench.workload import SMALL, PackedSteps, Shape
@@ -150,8 +151,9 @@ def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
     (kernel time / wall time: far below 1 means the host or a collective's wait holds the device idle)."""
     events = profiler.key_averages()
     with open(path, "w") as f:
-        if gpu:
-            busy = sum(e.self_device_time_total for e in events) / 1e6
+        if gpu:  # kernels only, as the table's own total: user annotations would count their kernels twice
+            busy = sum(e.self_device_time_total for e in events
+                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e6
             f.write(f"wall {wall_s:.3f} s, device kernels {busy:.3f} s ({busy / wall_s:.0%} of wall)\n\n")
             f.write(events.table(sort_by="self_device_time_total", row_limit=40) + "\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")

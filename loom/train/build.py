@@ -129,10 +129,12 @@ def step_batch(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: J
     llm_samples = batches.shard(step, *plan.shares["language"])
     items, rows, llm_rows = {}, {}, {}
     for name, counter in counters.items():
-        samples = llm_samples if plan.shares[name] == plan.shares["language"] else batches.shard(step, *plan.shares[name])
+        per_sample = lambda ss: [sum(counter(item) for item in s.items(name)) for s in ss]  # noqa: E731
+        same = plan.shares[name] == plan.shares["language"]
+        samples = llm_samples if same else batches.shard(step, *plan.shares[name])
         items[name] = [item.to(device) for s in samples for item in s.items(name)]
-        rows[name] = [sum(counter(item) for item in s.items(name)) for s in samples]
-        llm_rows[name] = [sum(counter(item) for item in s.items(name)) for s in llm_samples]
+        rows[name] = per_sample(samples)
+        llm_rows[name] = rows[name] if same else per_sample(llm_samples)
     batch = collate(llm_samples, cfg, tok).to(device)
     return StepBatch(batch, items, rows, llm_rows, sum(len(s) for s in llm_samples))
 
