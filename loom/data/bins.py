@@ -1,0 +1,167 @@
+"""Fixed-shape microbatches: the samples of one global batch assigned to dp × M bins of T tokens each.
+
+Every rank computes the same assignment from host data alone (sample lengths and encoder rows), so no
+collective is needed and the one-process reference sees the same bins. Bin `replica * M + microbatch` is
+microbatch `microbatch` of LLM replica `replica` (replica-major).
+
+Algorithm: longest-processing-time greedy in two levels. Samples are taken by (tokens desc, rows desc,
+index asc); each goes to the replica with the fewest tokens (then fewest rows, then lowest index) that has
+a bin with room for it, and inside that replica to the bin with the fewest tokens (same ties) that fits.
+Why not least-loaded over all dp·M bins, then replicas as consecutive bins: that keeps *bins* within one
+sample of each other, but a replica sums M bins, so replicas may drift apart by up to M samples; choosing
+the replica first keeps replicas within one sample (max − min ≤ the longest sample) whenever capacity does
+not bind, and a placement still fails only when no bin anywhere has room. Why not balance replicas first
+(capacity M·T) and split each into M bins afterwards: that split can fail even though the batch fits.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Rows = Sequence[int] | Mapping[str, Sequence[int]]  # encoder rows per sample: all encoders, or per encoder
+
+
+class DoesNotFit(ValueError):
+    """A global batch cannot be assigned to its bins."""
+
+
+class SampleTooLong(DoesNotFit):
+    """One sample alone has more tokens than a microbatch holds."""
+
+
+class BatchDoesNotFit(DoesNotFit):
+    """The samples, each short enough, do not fit the dp × M bins together."""
+
+
+def assign_bins(
+    tokens: Sequence[int],
+    rows: Rows,
+    replicas: int,
+    microbatches: int,
+    capacity: int,
+    indices: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Batch positions of the samples in each of `replicas · microbatches` bins, ascending inside a bin.
+
+    tokens[i]: LLM tokens of sample i (already rounded up to the packing multiple); rows: its encoder rows
+    (a per-encoder mapping is summed: rows only break ties); capacity: T, the tokens of one microbatch;
+    indices[i]: sample i's dataset index, named in errors. A bin may stay empty (a filler-only microbatch).
+    """
+    n_bins = replicas * microbatches
+    if replicas < 1 or microbatches < 1 or capacity < 1:
+        raise ValueError(f"assign_bins: replicas={replicas}, microbatches={microbatches}, capacity={capacity}")
+    row_total = _total_rows(rows, len(tokens))
+
+    def name(i: int) -> str:
+        return f"sample {i} of the batch" if indices is None else f"sample {indices[i]} of the dataset"
+
+    def advice() -> str:
+        return _advice(tokens, replicas, microbatches, capacity)
+
+    too_long = [i for i, t in enumerate(tokens) if t > capacity]
+    if too_long:
+        i, more = too_long[0], len(too_long) - 1
+        raise SampleTooLong(
+            f"{name(i)} has {tokens[i]} tokens, more than data.tokens_per_microbatch = {capacity}"
+            + (f" ({more} more samples of this batch are too long)" if more else "")
+            + '; raise data.tokens_per_microbatch, or set data.too_long = "skip" to drop such samples'
+        )
+    total = sum(tokens)
+    if total > n_bins * capacity:
+        raise BatchDoesNotFit(f"the global batch needs {total} tokens, more than its bins hold; " + advice())
+
+    bin_tok, bin_rows = [0] * n_bins, [0] * n_bins
+    contents: list[list[int]] = [[] for _ in range(n_bins)]
+    # a heap of replicas by (tokens, rows, index): O(log dp) per sample, hundreds of replicas stay cheap
+    heap = [(0, 0, r) for r in range(replicas)]
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], -row_total[i], i)):
+        passed = []  # replicas with no room for sample i; later (shorter) samples may still fit them
+        while heap:
+            r_tok, r_rows, r = heapq.heappop(heap)
+            room = [b for b in range(r * microbatches, (r + 1) * microbatches) if bin_tok[b] + tokens[i] <= capacity]
+            if room:
+                break
+            passed.append((r_tok, r_rows, r))
+        else:  # every bin holds more than T − tokens[i]: greedy placement is stuck although the total fits
+            raise BatchDoesNotFit(f"no bin has room for {name(i)} ({tokens[i]} tokens); " + advice())
+        b = min(room, key=lambda b: (bin_tok[b], bin_rows[b], b))
+        bin_tok[b] += tokens[i]
+        bin_rows[b] += row_total[i]
+        contents[b].append(i)
+        heapq.heappush(heap, (r_tok + tokens[i], r_rows + row_total[i], r))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+    return [sorted(c) for c in contents]  # global order inside a bin: packing stays deterministic
+
+
+def always_fits(batch_size: int, max_len: int, n_bins: int, capacity: int) -> bool:
+    """True when any `batch_size` samples of at most `max_len` tokens surely fit `n_bins` bins of
+    `capacity` under assign_bins (or any placement that uses a bin whenever one has room).
+
+    Proof: a sample of p ≤ L tokens finds no room only if every bin holds more than T − p ≥ T − L, i.e. the
+    ≤ B − 1 samples already placed hold more than n·(T − L); they hold at most (B − 1)·L, so this cannot
+    happen when (B − 1)·L ≤ n·(T − L).
+    """
+    if batch_size <= 0:
+        return True
+    return max_len <= capacity and (batch_size - 1) * max_len <= n_bins * (capacity - max_len)
+
+
+def min_capacity(batch_size: int, max_len: int, n_bins: int) -> int:
+    """The smallest T for which always_fits holds: L + ⌈(B − 1)·L / n⌉ (for config validation)."""
+    return max_len + -(-max(batch_size - 1, 0) * max_len // n_bins)
+
+
+@dataclass(frozen=True)
+class BinStats:
+    """How even one step's assignment is; 1.0 imbalance = every replica got the mean."""
+
+    token_imbalance: float  # max / mean over replicas of LLM tokens
+    row_imbalance: dict[str, float]  # the same per encoder ("all" when rows were one list)
+    fill: float  # tokens / (T · bins): the share of the fixed-shape microbatches that is not filler
+    empty_bins: int  # filler-only microbatches
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat names for metrics.jsonl."""
+        out = {"token_imbalance": self.token_imbalance, "fill": self.fill, "empty_bins": float(self.empty_bins)}
+        out.update({f"row_imbalance_{k}": v for k, v in self.row_imbalance.items()})
+        return out
+
+
+def bin_stats(bins: list[list[int]], tokens: Sequence[int], rows: Rows, microbatches: int, capacity: int) -> BinStats:
+    """Metrics of an assignment. Pass the unrounded lengths as `tokens` to count real tokens only in `fill`."""
+    per_encoder = dict(rows) if isinstance(rows, Mapping) else {"all": rows}
+    replicas = len(bins) // microbatches
+
+    def imbalance(values: Sequence[int]) -> float:
+        loads = [sum(values[i] for b in bins[r * microbatches : (r + 1) * microbatches] for i in b)
+                 for r in range(replicas)]
+        mean = sum(loads) / replicas
+        return max(loads) / mean if mean else 1.0  # nothing to balance counts as perfect
+
+    return BinStats(
+        token_imbalance=imbalance(tokens),
+        row_imbalance={k: imbalance(v) for k, v in per_encoder.items()},
+        fill=sum(tokens[i] for b in bins for i in b) / (capacity * len(bins)),
+        empty_bins=sum(not b for b in bins),
+    )
+
+
+def _total_rows(rows: Rows, n: int) -> list[int]:
+    per_encoder = list(rows.values()) if isinstance(rows, Mapping) else [rows]
+    if any(len(r) != n for r in per_encoder):
+        raise ValueError(f"assign_bins: {n} samples' tokens but rows of another length")
+    return [sum(r[i] for r in per_encoder) for i in range(n)]
+
+
+def _advice(tokens: Sequence[int], replicas: int, microbatches: int, capacity: int) -> str:
+    """What holds the batch and which keys change it, in numbers that do not depend on the step."""
+    n, longest = replicas * microbatches, max(tokens)
+    return (
+        f"train.global_batch_size = {len(tokens)} samples go to {replicas} LLM replicas × train.microbatches = "
+        f"{microbatches} bins of data.tokens_per_microbatch = {capacity} ({n * capacity} tokens); raise "
+        f"train.microbatches or data.tokens_per_microbatch, or lower train.global_batch_size. Samples of at "
+        f"most {longest} tokens always fit when data.tokens_per_microbatch >= {min_capacity(len(tokens), longest, n)}"
+    )
