@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from bench.flops import matmul_params
@@ -44,13 +42,7 @@ class LoomContender:
 
     def step(self, inputs: StepBatch, step: int) -> float:
         return train_step(self.model, self.optimizer, inputs, self.cfg.train, step, self.plan.comms,
-                          self.plan.bridges, self._autocast).loss
-
-    def _autocast(self):
-        # one process (torchrun with one rank starts no process group): bf16 through autocast, as `loom train`
-        if not self.plan.distributed and self.cfg.train.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+                          self.plan.bridges, self.plan.autocast(self.cfg.train.dtype, self.device)).loss
 
     def llm_tokens(self, step: int) -> int:
         return sum(len(s) for s in self.workload.global_batch(step))

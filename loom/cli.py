@@ -25,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("config", nargs="?", help="TOML job config; omitted: loom's default job")
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     verify.add_argument("--tolerance", type=float, default=None,
-                        help="max relative difference (default 1e-5 in fp32, 3e-2 in bf16)")
+                        help="one max relative difference for every quantity (default: per quantity and dtype, "
+                             "see README)")
+    verify.add_argument("--against", default="layout", choices=["layout", "compile", "bf16"],
+                        help="layout (default): the config's layout on N ranks; on one process: the model "
+                             "compiled, or in bf16, against the eager fp32 reference")
     plan = sub.add_parser("plan", help="print the rank map of a config and draw it as a PNG (starts no process)")
     plan.add_argument("config", nargs="?", help="TOML job config")
     plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--hf", required=True, metavar="OUT_DIR",
                         help="writes OUT_DIR/language, OUT_DIR/vision, OUT_DIR/audio (config.json + model.safetensors)")
     args, extra = parser.parse_known_args(_join_space_separated(sys.argv[1:] if argv is None else argv))
+    if args.command == "verify" and args.steps < 1:
+        parser.error(f"--steps {args.steps}: verify needs at least one step")
     if args.command == "export":
         if extra:
             parser.error(f"unexpected arguments {extra}")
@@ -76,9 +82,16 @@ def _run(args, cfg) -> int:
     device = init_distributed(cfg.parallel.backend) if launched_world_size() > 1 else None
     try:
         if args.command == "verify":
-            from loom.train.verify import verify
+            from loom.train.verify import ReferenceNotFinite, VerifyUsageError, verify
 
-            checks = verify(cfg, args.steps, args.tolerance, device)
+            try:
+                checks = verify(cfg, args.steps, args.tolerance, device, against=args.against)
+            except VerifyUsageError as e:
+                print(f"loom verify: {e}", file=sys.stderr)
+                return 2
+            except ReferenceNotFinite as e:
+                print(f"loom verify: {e}", file=sys.stderr)
+                return 1
             return 0 if all(c.passed for c in checks) else 1
         from loom.train.trainer import Trainer
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -98,6 +99,13 @@ class RankPlan:
     @property
     def is_logger(self) -> bool:
         return not self.distributed or dist.get_rank() == 0
+
+    def autocast(self, dtype: str, device: torch.device):
+        """The context factory a step's forward runs in: bf16 autocast on one process; under a layout bf16
+        comes from FSDP's mixed-precision policy, so nothing."""
+        if dtype == "bf16" and not self.distributed:
+            return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext
 
 
 def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device) -> RankPlan:

@@ -8,6 +8,7 @@ vocab-sharded (loss parallel). Gradient reduction is FSDP's, the grad norm DTens
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,11 @@ def sum_over(value: float | int, group: dist.ProcessGroup | None) -> float:
     return float(t)
 
 
+def global_token_count(batch: Batch, group: dist.ProcessGroup | None) -> float:
+    """Supervised tokens of the whole global batch: this rank's share summed over the ranks holding others."""
+    return max(1.0, sum_over(batch.num_supervised, group))
+
+
 def local_value(t: torch.Tensor) -> float:
     return float(t.full_tensor() if isinstance(t, DTensor) else t)
 
@@ -95,18 +101,22 @@ def train_step(
     comms: StepComms,
     bridges: dict | None = None,
     autocast=contextlib.nullcontext,
+    inspect_grads: Callable[[MultimodalModel], None] | None = None,
 ) -> StepResult:
+    """`inspect_grads(model)` sees the raw gradients after backward, before clipping (loom verify)."""
     batch, selectors = inputs.llm, None
     if comms.cp_group is not None:
         batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
     # every rank divides by the supervised tokens of the *global* batch: gradients then add up over dp × cp
-    n_tokens = max(1.0, sum_over(batch.num_supervised, comms.dp_group))
+    n_tokens = global_token_count(batch, comms.dp_group)
     lr = set_lr(optimizer, step, cfg)
     with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
         with autocast():
             logits = forward(model, inputs, batch, bridges, selectors)
         loss_sum = loss_function(cfg.compile, comms.loss_parallel)(logits, batch.labels)
         (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
+    if inspect_grads is not None:
+        inspect_grads(model)
     norm, finite = clip_and_check(model, cfg.grad_clip)
     if finite:
         optimizer.step()

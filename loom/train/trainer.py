@@ -3,7 +3,6 @@ under torchrun with the configured layout (the step code is the same; see loom.t
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
@@ -56,12 +55,6 @@ class Trainer:
         if cfg.run.resume:
             self.step = load_checkpoint(cfg.run.resume, self.model, self.optimizer)["step"]
 
-    def autocast(self):
-        # under FSDP, bf16 comes from its mixed-precision policy; autocast is the one-process way
-        if self.cfg.train.dtype == "bf16" and not self.plan.distributed:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def train_step(self, samples: list[Sample] | None = None) -> StepResult:
         """One optimizer step on this rank's shares of global batch `self.step` — or, on one process, on
         the given samples."""
@@ -71,7 +64,7 @@ class Trainer:
             inputs = StepBatch.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
         self.last_tokens = inputs.tokens
         result = train_step(self.model, self.optimizer, inputs, self.cfg.train, self.step, self.plan.comms,
-                            self.plan.bridges, self.autocast)
+                            self.plan.bridges, self.plan.autocast(self.cfg.train.dtype, self.device))
         self.step += 1
         return result
 

@@ -1,21 +1,22 @@
-"""`loom verify`: the configured layout against the one-process reference, step by step.
+"""`loom verify`: a run against the one-process fp32 reference, step by step (what is compared: compare.py).
 
-Both start from the same weights (every rank builds the model from the same seed and keeps an unsharded
-copy as the reference), read the same global batches (the layout its dp share, the reference all of it)
-and take K optimizer steps. Per step it compares the mean loss, the global grad norm, and every module's
-post-step weights (max |w - w_ref| over the module / max |w_ref| over the module).
+Under N ranks the run is the configured layout: every rank builds the model from the same seed and keeps an
+unsharded fp32 copy as the reference; the layout takes its dp share of global batch `s`, the reference all
+of it, both through the same `train_step`. On one process there is no layout, so the run is the same model
+compiled (`--against compile`) or in bf16 (`--against bf16`) — never the model against its own copy.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
+import math
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from torch.distributed.tensor import DTensor
 
 from loom.config import JobConfig
 from loom.data.tokenizer import ByteTokenizer
@@ -29,98 +30,149 @@ from loom.train.build import (
     step_batch,
     token_counters,
 )
-from loom.train.checkpoint import gather_full_weights
+from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.optim import ModuleOptimizers
 from loom.train.step import StepBatch, StepComms, train_step
 
-DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
+AGAINST = ("layout", "compile", "bf16")
 
 
-@dataclass
-class StepCheck:
-    step: int
-    loss: float
-    ref_loss: float
-    grad_norm: float
-    ref_grad_norm: float
-    weight_diff: dict[str, float]  # module → max relative difference of its post-step weights
-    tolerance: float
+class VerifyUsageError(ValueError):
+    """verify was asked for something that compares nothing (exit 2)."""
 
-    @property
-    def loss_diff(self) -> float:
-        return abs(self.loss - self.ref_loss) / max(abs(self.ref_loss), 1e-12)
 
-    @property
-    def grad_norm_diff(self) -> float:
-        return abs(self.grad_norm - self.ref_grad_norm) / max(abs(self.ref_grad_norm), 1e-12)
+class ReferenceNotFinite(RuntimeError):
+    """The reference step itself is not finite: there is nothing to verify against."""
 
-    @property
-    def passed(self) -> bool:
-        return max(self.loss_diff, self.grad_norm_diff, *self.weight_diff.values()) <= self.tolerance
+
+def checked_config(cfg: JobConfig, against: str, distributed: bool) -> JobConfig:
+    """The configuration of the run under test."""
+    if against not in AGAINST:
+        raise VerifyUsageError(f"--against {against!r}: choose one of {list(AGAINST)}")
+    if against == "layout" and not distributed:
+        raise VerifyUsageError(
+            "loom verify compares a layout on N ranks with the one-process reference, and this is one process: "
+            "comparing the model with its own copy would prove nothing. Run it on N ranks "
+            "(`torchrun --nproc-per-node=N -m loom verify CONFIG`, or set layout.world_size = N in the config), "
+            "or check one process against the eager fp32 reference with --against compile or --against bf16")
+    if against != "layout" and distributed:
+        raise VerifyUsageError(
+            f"--against {against} is a one-process check; under {dist.get_world_size()} ranks verify compares "
+            f"the layout (set train.compile / train.dtype in the config to check them under the layout too)")
+    train = cfg.train
+    if against == "compile":
+        train = dataclasses.replace(train, compile=True)
+    elif against == "bf16":
+        train = dataclasses.replace(train, dtype="bf16")
+    return dataclasses.replace(cfg, train=train)
 
 
 def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: torch.device | None = None,
-           console: Console | None = None) -> list[StepCheck]:
-    tolerance = DEFAULT_TOLERANCE[cfg.train.dtype] if tolerance is None else tolerance
+           console: Console | None = None, against: str = "layout") -> list[StepCheck]:
+    if steps < 1:
+        raise VerifyUsageError(f"--steps {steps}: verify needs at least one step")
+    distributed = dist.is_initialized()
+    checked = checked_config(cfg, against, distributed)
+    tolerances = DEFAULT_TOLERANCES[checked.train.dtype] if tolerance is None else Tolerances.uniform(tolerance)
     device = device or resolve_device(cfg.train.device)
     torch.manual_seed(cfg.train.seed)
     tok = ByteTokenizer()
     model = build_job_model(cfg, tok).to(device)
-    reference = copy.deepcopy(model)  # same weights, never parallelised, fp32
+    reference = copy.deepcopy(model)  # same weights, never parallelised or compiled, fp32
     counters = token_counters(reference)
-    plan = setup_parallel(model, cfg, device)
+    plan = setup_parallel(model, checked, device)
     modules = [*model.encoder_names, "language"]
     optimizer, ref_optimizer = ModuleOptimizers(model, modules, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
-    train_set, _ = build_datasets(cfg)
-    batches = build_batches(cfg, train_set, tok, counters)
-    eager = dataclasses.replace(cfg.train, compile=False)  # the reference is plain eager PyTorch
+    batches = build_batches(cfg, build_datasets(cfg)[0], tok, counters)
+    eager_fp32 = dataclasses.replace(cfg.train, compile=False, dtype="fp32")
+    autocast = plan.autocast(checked.train.dtype, device)
+    out = console or Console(width=170)
     checks = []
     for step in range(steps):
-        mine = step_batch(batches, step, plan, cfg, tok, counters, device)
+        mine = step_batch(batches, step, plan, checked, tok, counters, device)
         full = StepBatch.of(collate(batches.shard(step), cfg, tok).to(device))
-        r = train_step(model, optimizer, mine, cfg.train, step, plan.comms, plan.bridges)
-        ref = train_step(reference, ref_optimizer, full, eager, step, StepComms())
-        diffs = weight_differences(full_weights(model, plan.distributed), reference)
-        checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm, diffs, tolerance))
+        ref_before, ref_grads = parameters(reference), {}
+        ref = train_step(reference, ref_optimizer, full, eager_fp32, step, StepComms(),
+                         inspect_grads=lambda m: ref_grads.update(gradients(m)))
+        if not (math.isfinite(ref.loss) and math.isfinite(ref.grad_norm)):
+            raise ReferenceNotFinite(
+                f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
+                f"there is nothing to verify against; lower train.lr or check the data")
+        before, grads, notes = parameters(model), {}, []
+        r = train_step(model, optimizer, mine, checked.train, step, plan.comms, plan.bridges, autocast,
+                       inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes)))
+        updates = compare_updates(before, parameters(model), ref_before, parameters(reference))
+        checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
+                                {m: ModuleCheck(grads.get(m), updates[m]) for m in updates}, tolerances, notes))
     if plan.is_logger:
-        (console or Console(width=170)).print(report(checks, cfg, plan))
+        out.print(report(checks, checked, plan, against))
+        for failure in (f for c in checks for f in c.failures):
+            out.print(f"[red]FAIL[/red] {failure}")
     return checks
 
 
-def full_weights(model: torch.nn.Module, distributed: bool) -> dict[str, torch.Tensor]:
-    return gather_full_weights(model, to_rank0=False) if distributed else model.state_dict()
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) one — a collective over its mesh — or the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def weight_differences(weights: dict[str, torch.Tensor], reference: torch.nn.Module) -> dict[str, float]:
-    """Per module: max |w - w_ref| over all its tensors, relative to the largest |w_ref| in the module.
-    (Per tensor, a zero-initialised bias makes any fp32 reduction-order noise look huge after Adam's first
-    normalised step; the module's scale is what a real error must be measured against.)"""
-    diff: dict[str, float] = {}
-    scale: dict[str, float] = {}
-    for name, ref in reference.state_dict().items():
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, copied (every rank hosting the module calls this: it gathers shards)."""
+    return {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], notes: list[str]
+                      ) -> dict[str, Agreement]:
+    """Per module: the layout's whole gradients (gathered over its shards and replicas) against the
+    reference's, before clipping. A gradient present on one side only is noted as a failure."""
+    out: dict[str, Agreement] = {}
+    for name, p in model.named_parameters():
         module = name.split(".", 1)[0]
-        got = weights[name].to(ref.device, ref.dtype)
-        diff[module] = max(diff.get(module, 0.0), float((got - ref).abs().max()))
-        scale[module] = max(scale.get(module, 0.0), float(ref.abs().max()))
-    return {m: diff[m] / max(scale[m], 1e-12) for m in diff}
+        if (p.grad is None) != (name not in ref_grads):
+            notes.append(f"{module}: {name} has a gradient on {'the reference' if p.grad is None else 'the layout'} only")
+            continue
+        if p.grad is not None:
+            out.setdefault(module, Agreement()).add(_full(p.grad), ref_grads[name])
+    return out
 
 
-def report(checks: list[StepCheck], cfg: JobConfig, plan) -> Table:
-    where = "one process"
+def compare_updates(before: dict, after: dict, ref_before: dict, ref_after: dict) -> dict[str, Agreement]:
+    """Per module: the step's weight change against the reference's (frozen: both must be zero)."""
+    out: dict[str, Agreement] = {}
+    for name, ref in ref_after.items():
+        module = name.split(".", 1)[0]
+        out.setdefault(module, Agreement()).add(after[name] - before[name], ref - ref_before[name])
+    return out
+
+
+def report(checks: list[StepCheck], cfg: JobConfig, plan, against: str) -> Table:
     if plan.topo is not None:
         layouts = ", ".join(f"{n} {g.layout.describe().split(' on ')[0]}" for n, g in plan.topo.grids.items())
-        where = f"{dist.get_world_size()} ranks: {layouts}"
-    table = Table(title=f"loom verify — {where} ({cfg.train.dtype}) vs one-process fp32 reference, "
-                        f"tolerance {checks[0].tolerance:g} relative")
-    for col in ("step", "loss", "ref loss", "Δ loss", "grad norm", "ref norm", "Δ norm"):
-        table.add_column(col, justify="right")
-    modules = list(checks[0].weight_diff)
-    for m in modules:
-        table.add_column(f"Δ {m}", justify="right")
-    table.add_column("result")
+        run = f"{dist.get_world_size()} ranks: {layouts} ({cfg.train.dtype})"
+    else:
+        run = f"one process, {'compiled' if against == 'compile' else 'eager'} {cfg.train.dtype}"
+    tol = checks[0].tolerances
+    table = Table(title=f"loom verify — {run} vs one-process eager fp32 reference\n"
+                        f"relative tolerances: loss {tol.loss:g}, grad norms {tol.grad_norm:g}, "
+                        f"gradients (max) {tol.grad:g}, updates (norm) {tol.update:g}")
+    for col in ("step", "module", "loss", "ref loss", "Δ loss", "grad norm", "ref norm", "Δ norm", "Δ grad",
+                "Δ update", "result"):
+        table.add_column(col, justify="left" if col == "module" else "right")
     for c in checks:
         verdict = "[green]PASS" if c.passed else "[red]FAIL"
-        table.add_row(str(c.step), f"{c.loss:.6f}", f"{c.ref_loss:.6f}", f"{c.loss_diff:.1e}", f"{c.grad_norm:.5f}",
-                      f"{c.ref_grad_norm:.5f}", f"{c.grad_norm_diff:.1e}",
-                      *(f"{c.weight_diff[m]:.1e}" for m in modules), verdict)
+        table.add_row(str(c.step), "all", f"{c.loss:.6f}", f"{c.ref_loss:.6f}", _e(c.loss_diff), f"{c.grad_norm:.5f}",
+                      f"{c.ref_grad_norm:.5f}", _e(c.grad_norm_diff), "", "", verdict)
+        for name, m in c.modules.items():
+            g = m.grads
+            table.add_row("", name, "", "", "", "–" if g is None else f"{g.norm:.5f}",
+                          "–" if g is None else f"{g.ref_norm:.5f}", "–" if g is None else _e(m.grad_norm_diff),
+                          "–" if g is None else _e(g.max_relative), _e(m.update.norm_relative), "")
     return table
+
+
+def _e(x: float) -> str:
+    return f"{x:.1e}"

@@ -1,0 +1,190 @@
+"""The oracle can fail: faults injected into a layout (on one rank, or everywhere where the bug would be
+everywhere) make `loom verify` FAIL, in fp32 and in bf16, and name the quantity that caught them. The same
+layouts without the fault pass in tests/test_parity.py (dp2, fan-in, cp2 and their bf16 rows).
+
+Also: what verify refuses to do (compare a model with its own copy, zero steps, a non-finite reference),
+and its one-process comparisons (compiled vs eager, bf16 vs fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TINY_MODEL_OVERRIDES
+from oracle import run_verify
+
+import loom.cli
+from loom.train.compare import FP32, Agreement, ModuleCheck, StepCheck, relative, worst
+
+CP2 = ["--layout.language.cp=2", "--data.pad_to_multiple=4"]
+FAN_IN = ["--layout.vision.tp=1", "--layout.language.tp=2"]  # vision and audio dp4 → LLM dp2 on 4 ranks
+FAULTY_RANK = 1
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _bridge_output(change):
+    """Patches every encoder's bridge so its output (rows for the LLM) goes through change(bridge, rows)."""
+    from loom.bridge.colocated import ColocatedBridge
+
+    call = ColocatedBridge.__call__
+    return _patched(ColocatedBridge, "__call__", lambda self, *a: change(self, call(self, *a)))
+
+
+def _fault(name: str):
+    """The fault, applied in this rank's process (each rank is its own process)."""
+    import loom.bridge.colocated as bridge
+    import loom.train.step as step
+
+    me = dist.get_rank()
+    if name == "encoder gradient scaled by llm_dp/encoder_dp":  # Megatron-Bridge #4066, on every rank
+        return _bridge_output(lambda b, rows: _ScaleGrad.apply(rows, b.dst_dp / b.src_dp))
+    if name == "one bridge row wrong":  # rank 1's first row of each modality arrives negated
+        def negate_first(b, rows):
+            return torch.cat([-rows[:1], rows[1:]]) if me == FAULTY_RANK else rows
+
+        return _bridge_output(negate_first)
+    if name == "nan in one rank's encoder output":
+        def poison(b, rows):
+            if me != FAULTY_RANK or b.src.module != "vision":
+                return rows
+            return torch.cat([rows[:1] * math.nan, rows[1:]])
+
+        return _bridge_output(poison)
+    if name == "cp sum dropped from the bridge backward":  # the encoders see one cp rank's gradient only
+        return _patched(bridge, "_sum_over_context", lambda grad, group: grad)
+    if name == "one rank counts its tokens twice":  # the layout's count only: the reference has no group
+        count = step.global_token_count
+
+        def doubled(batch, group):
+            if group is None or me != FAULTY_RANK:
+                return count(batch, group)
+            return max(1.0, step.sum_over(2 * batch.num_supervised, group))
+
+        return _patched(step, "global_token_count", doubled)
+    if name == "each replica divides by its own token count":
+        count = step.global_token_count
+        return _patched(step, "global_token_count", lambda batch, group: count(batch, None))
+    raise ValueError(name)
+
+
+def _verify_with_fault(fault: str, overrides: list[str]) -> list[dict]:
+    with _fault(fault):
+        return run_verify(overrides)
+
+
+# fault → (world size, layout, what must be named among the failures)
+FAULTS = {
+    "encoder gradient scaled by llm_dp/encoder_dp": (4, FAN_IN, "vision gradients"),
+    "one bridge row wrong": (4, FAN_IN, "gradients"),
+    "nan in one rank's encoder output": (2, [], "not finite"),
+    "cp sum dropped from the bridge backward": (2, CP2, "vision gradients"),
+    "one rank counts its tokens twice": (2, [], "loss"),
+    "each replica divides by its own token count": (2, [], "loss"),
+}
+BF16_TOO = ["encoder gradient scaled by llm_dp/encoder_dp", "one bridge row wrong",
+            "nan in one rank's encoder output", "cp sum dropped from the bridge backward",
+            "one rank counts its tokens twice"]
+CASES = [(f, "fp32") for f in FAULTS] + [(f, "bf16") for f in BF16_TOO]
+
+
+@pytest.mark.parametrize("fault,dtype", CASES, ids=[f"{f}-{d}".replace(" ", "_") for f, d in CASES])
+def test_verify_fails_a_broken_layout(worlds, fault, dtype):
+    world, layout, named = FAULTS[fault]
+    per_rank = worlds.run(world, _verify_with_fault, fault, layout + [f"--train.dtype={dtype}"], timeout=300)
+    for rank, steps in enumerate(per_rank):
+        failures = [f for s in steps for f in s["failures"]]
+        assert not steps[0]["passed"], f"rank {rank}: {fault} ({dtype}) passed step 1: {steps[0]['quantities']}"
+        assert any(named in f for f in failures), f"rank {rank}: {fault} ({dtype}) not caught by {named!r}: {failures}"
+
+
+def test_a_module_gradient_off_by_a_factor_is_caught_by_the_gradients_alone(worlds):
+    """Adam is blind to a constant factor on a module's gradient: the updates agree, only the gradient
+    comparison sees the fault — the hole the old weight-only oracle had."""
+    per_rank = worlds.run(4, _verify_with_fault, "encoder gradient scaled by llm_dp/encoder_dp", FAN_IN)
+    for steps in per_rank:
+        q = {what: value for what, value, _ in steps[0]["quantities"]}
+        assert q["vision gradients"] == pytest.approx(0.5, rel=1e-3)  # half the gradient is missing
+        assert q["vision update"] < 1e-3 and q["language gradients"] < FP32.grad
+
+
+# ---------------------------------------------------------------- the comparison's arithmetic
+
+
+def _check(loss=1.0, norm=1.0, grads=None, update=None) -> StepCheck:
+    g, u = Agreement(), Agreement()
+    g.add(torch.tensor([1.0, 2.0]) if grads is None else grads, torch.tensor([1.0, 2.0]))
+    u.add(torch.tensor([0.1, 0.1]) if update is None else update, torch.tensor([0.1, 0.1]))
+    return StepCheck(1, loss, 1.0, norm, 1.0, {"vision": ModuleCheck(g, u)}, FP32)
+
+
+def test_nan_and_inf_never_pass():
+    assert _check().passed
+    assert worst(0.0, math.nan) != worst(0.0, math.nan)  # NaN survives max(), unlike Python's max(0.0, nan)
+    for bad in (dict(loss=math.nan), dict(norm=math.inf), dict(grads=torch.tensor([math.nan, 2.0])),
+                dict(update=torch.tensor([0.1, math.inf]))):
+        check = _check(**bad)
+        assert not check.passed, bad
+    assert any("not finite" in f for f in _check(norm=math.nan).failures)
+    assert relative(0.0, 0.0) == 0.0 and relative(1e-9, 0.0) == math.inf  # frozen: any update is wrong
+
+
+def test_a_wrong_gradient_element_fails_and_names_the_module():
+    check = _check(grads=torch.tensor([1.0, 2.1]))
+    assert [f for f in check.failures if "vision gradients" in f]
+
+
+# ---------------------------------------------------------------- what verify refuses, one-process checks
+
+TINY = [*TINY_MODEL_OVERRIDES, "--train.global_batch_size=4", "--data.train_size=64", "--train.device=cpu"]
+
+
+def test_one_process_without_a_comparison_is_a_usage_error(capsys):
+    assert loom.cli.main(["verify", "configs/tiny.toml", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "one process" in err and "torchrun --nproc-per-node=N" in err and "--against compile" in err
+
+
+def test_zero_steps_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        loom.cli.main(["verify", "configs/tiny.toml", "--steps", "0"])
+    assert e.value.code == 2 and "at least one step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("against", ["bf16", "compile"])
+def test_one_process_against_compile_and_bf16_passes(capsys, against):
+    assert loom.cli.main(["verify", "configs/tiny.toml", "--steps", "2", "--against", against, *TINY]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and ("compiled" if against == "compile" else "eager bf16") in out
+
+
+def test_a_non_finite_reference_stops_verify(capsys, monkeypatch):
+    import loom.train.step as step
+
+    loss = step.loss_function
+    monkeypatch.setattr(step, "loss_function", lambda *a: lambda *b: loss(*a)(*b) * math.inf)
+    assert loom.cli.main(["verify", "configs/tiny.toml", "--steps", "1", "--against", "bf16", *TINY]) == 1
+    assert "reference's step 1 is not finite" in capsys.readouterr().err
