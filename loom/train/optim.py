@@ -6,6 +6,7 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -110,12 +111,23 @@ def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def clip_and_check(model: nn.Module, max_norm: float) -> tuple[float, bool]:
     """Global grad norm (before clipping) and whether it is finite; clips only when finite and max_norm > 0.
-    Every rank computes the same norm, so every rank takes the same decision."""
+    Under a layout every rank then takes the largest norm of all ranks (inf if one is not finite), so every
+    rank takes the same decision even when replicas of a gradient differ (a module's tp ranks each reduce
+    their own copy of the gradients of weights TP does not split: a NaN in one copy would split the ranks)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = float(global_grad_norm(params))
+    if dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters()):
+        norm = _largest_over_ranks(norm if math.isfinite(norm) else math.inf)
     finite = math.isfinite(norm)
     if finite and max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for grads in _grads_by_mesh(params):
             torch._foreach_mul_(grads, coef)  # a few launches, not one per parameter
     return norm, finite
+
+
+def _largest_over_ranks(value: float) -> float:
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces only device tensors
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
