@@ -7,9 +7,10 @@ import torch
 from bench.flops import matmul_params
 from bench.mm_bench import flops_of
 from loom.data.tokenizer import ByteTokenizer
-from loom.train.build import build_job_model, setup_parallel, step_batch, token_counters
+from loom.train.build import build_job_model, setup_parallel, step_inputs, token_counters
 from loom.train.optim import ModuleOptimizers
-from loom.train.step import StepBatch, train_step
+from loom.train.inputs import StepInputs
+from loom.train.step import train_step
 
 
 class LoomContender:
@@ -34,13 +35,13 @@ class LoomContender:
         self.optimizer = ModuleOptimizers(m, [*m.encoder_names, "language"], cfg.train)
         self._computed, self._real = 0, 0
 
-    def inputs(self, step: int) -> StepBatch:
-        inputs = step_batch(self.workload, step, self.plan, self.cfg, self.tok, self.counters, self.device)
-        self._computed += inputs.llm.input_ids.numel()
+    def inputs(self, step: int) -> StepInputs:
+        inputs = step_inputs(self.workload, step, self.plan, self.cfg, self.tok, self.counters, self.device)
+        self._computed += sum(m.llm.input_ids.numel() for m in inputs.microbatches)
         self._real += inputs.tokens
         return inputs
 
-    def step(self, inputs: StepBatch, step: int) -> float:
+    def step(self, inputs: StepInputs, step: int) -> float:
         return train_step(self.model, self.optimizer, inputs, self.cfg.train, step, self.plan.comms,
                           self.plan.bridges, self.plan.autocast(self.cfg.train.dtype, self.device)).loss
 

@@ -27,7 +27,9 @@ from loom.data.tokenizer import ByteTokenizer
 from loom.distributed import init_distributed, shutdown
 from loom.train.build import build_job_model, setup_parallel
 from loom.train.optim import ModuleOptimizers
-from loom.train.step import StepBatch, train_step
+from loom.bridge.colocated import ReplicaRows
+from loom.train.inputs import StepInputs
+from loom.train.step import train_step
 
 # a ~0.4B-parameter Llama-shaped LLM; the encoders stay tiny (text-only samples: they run one dummy item)
 LLM = ["--model.language.hidden_size=1024", "--model.language.num_layers=16", "--model.language.num_heads=16",
@@ -64,7 +66,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(plan.shares["language"][0])
     ids = torch.randint(0, 256, (args.seq,), generator=g).tolist()  # one sample: this replica's share
     batch = pack_samples([Sample(ids, [False] + [True] * (args.seq - 1), [], [])], tok.pad_id, 2 * args.cp)
-    inputs = StepBatch.of(batch.to(device), {"vision": [0], "audio": [0]}, tokens=args.seq)
+    inputs = StepInputs.of(batch.to(device), tokens=args.seq)
+    inputs.supervised *= dp  # every replica holds one such sample
+    inputs.microbatches[0].rows = {n: ReplicaRows([0] * plan.shares[n][1], [0] * dp) for n in model.encoder_names}
     times = []
     for step in range(args.warmup + args.steps):
         if gpu:

@@ -61,6 +61,9 @@ class PackedSteps:
         self._cached = (step, out)
         return out
 
+    def indices(self, step: int) -> list[int]:
+        return list(range(self.replicas * self.per_replica))
+
     def shard(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
         batch = self.global_batch(step)
         share = len(batch) // dp_size

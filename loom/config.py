@@ -41,7 +41,12 @@ class DataConfig:
     train_size: int = 60000
     heldout_size: int = 240
     format: str = choice("thd", "thd", "bshd")  # packed (THD) or padded (BSHD) batches
-    pad_to_multiple: int = 1  # each sample's length is rounded up to this (2·cp·tp under CP + SP)
+    pad_to_multiple: int = 1  # each sample's length is rounded up to this (the layout adds 2·cp, ·tp under SP)
+    tokens_per_microbatch: int = 0  # T: every LLM microbatch packs exactly T tokens (0: each share as it comes)
+    too_long: str = choice("error", "error", "skip")  # a sample longer than T: stop with its index, or skip it
+    # train.compile: rows of one call of an encoder's layers, e.g. {vision = 2048}; fixed, so they never recompile
+    # (not listed: T per LLM microbatch served, always enough; a call with more rows compiles again)
+    encoder_rows_per_microbatch: dict = field(default_factory=dict)
     seed: int = 0
 
 
@@ -57,6 +62,7 @@ class ModuleTrainConfig:
 class TrainConfig:
     steps: int = 600
     global_batch_size: int = 32
+    microbatches: int = 1  # M per data-parallel replica per step (gradient accumulation)
     lr: float = 2e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr·min_lr_ratio
     warmup_steps: int = 30
@@ -71,6 +77,9 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
     eval_max_new_tokens: int = 16
     compile: bool = False  # torch.compile each transformer block (fuses norms, activations, rotary)
+    # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
+    # (all but matmul / attention outputs); less activation memory for more compute
+    activation_checkpointing: str = choice("none", "none", "full", "selective")
     vision: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     audio: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     language: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
@@ -267,6 +276,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         {
             "train.steps": t.steps,
             "train.global_batch_size": t.global_batch_size,
+            "train.microbatches": t.microbatches,
             "train.log_every": t.log_every,
             "train.eval_max_new_tokens": t.eval_max_new_tokens,
             "data.train_size": d.train_size,
@@ -285,6 +295,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "train.weight_decay": t.weight_decay,
             "train.grad_clip": t.grad_clip,
             "train.eval_every": t.eval_every,
+            "data.tokens_per_microbatch": d.tokens_per_microbatch,
             "run.save_every": cfg.run.save_every,
         }
     )
@@ -332,6 +343,23 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         raise ConfigError(
             "model.attention = 'varlen' runs only on CUDA with packed batches (data.format = 'thd'); "
             "use model.attention = 'auto' to fall back to SDPA elsewhere"
+        )
+    if d.tokens_per_microbatch and d.format != "thd":
+        raise ConfigError("data.tokens_per_microbatch packs microbatches (data.format = 'thd'); padded batches "
+                          "(bshd) take train.microbatches equal shares: set data.tokens_per_microbatch = 0")
+    if not d.tokens_per_microbatch and t.global_batch_size % t.microbatches:
+        raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by train.microbatches "
+                          f"= {t.microbatches}; or set data.tokens_per_microbatch to pack microbatches by tokens")
+    for name, rows in d.encoder_rows_per_microbatch.items():
+        if name not in cfg.model.encoders or not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise ConfigError(f"data.encoder_rows_per_microbatch.{name} = {rows!r}: expected a positive row count "
+                              f"for one of model.encoders = {cfg.model.encoders}")
+    if t.activation_checkpointing == "selective" and t.compile:
+        raise ConfigError(
+            "train.activation_checkpointing = 'selective' does not compose with train.compile = true: its per-op "
+            "policy runs as a dispatch mode, which torch.compile does not trace, and compiling around the "
+            "checkpoint needs blocks without graph breaks (loom's CPU/fp32 and context-parallel attention break "
+            "them); use 'full' with compile, or 'selective' without it"
         )
     declared = cfg.layout.world_size
     if declared and world_size and declared != world_size:

@@ -77,9 +77,13 @@ INVALID = [
     (4, ["--layout.vision.cp=2"], ["vision", "cp = 2", "encoders do not use context parallelism"]),
     (8, ["--layout.audio.tp=8"], ["audio", "tp = 8", "model.audio", "tp ∈ {1, 2, 4}"]),
     (4, ["--layout.vision.pp=4"], ["vision", "pp = 4", "model.vision.num_layers = 2"]),
-    (4, ["--layout.language.cp=2"], ["language", "2·cp = 4 chunks", "data.pad_to_multiple = 1", "= 4"]),
-    (4, ["--layout.language.tp=2", "--layout.language.sequence_parallel=true"],
-     ["language", "tp = 2 sequence-parallel shards", "data.pad_to_multiple = 2"]),
+    (4, ["--layout.language.cp=2", "--data.tokens_per_microbatch=90"],
+     ["data.tokens_per_microbatch = 90", "multiple of 4", "2·cp = 4 chunks", "use 88 or 92"]),
+    (4, ["--layout.language.tp=2", "--layout.language.sequence_parallel=true", "--data.tokens_per_microbatch=9",
+         "--data.pad_to_multiple=3"],
+     ["not a multiple of 6", "data.pad_to_multiple = 3 and tp = 2 sequence-parallel shards", "use 6 or 12"]),
+    (2, ["--train.microbatches=3"], ["train.global_batch_size = 32", "train.microbatches = 3"]),
+    (2, ["--train.microbatches=4", "--train.global_batch_size=12"], ["dp = 2 × train.microbatches = 4", "8"]),
     (4, ["--layout.language.sequence_parallel=true"], ["sequence_parallel = true needs tp > 1"]),
     (4, ["--layout.vision.tp=2", "--layout.vision.sequence_parallel=true"], ["vision", "language model only"]),
     (8, ["--train.global_batch_size=12"], ["train.global_batch_size = 12", "dp = 8"]),
@@ -100,6 +104,21 @@ def test_invalid_layout_is_rejected_with_a_clear_message(world, overrides, fragm
         load_config(None, overrides, world_size=world)
     for fragment in fragments:
         assert fragment in str(err.value), f"{fragment!r} missing from: {err.value}"
+
+
+def test_the_sample_multiple_is_derived_from_the_layout():
+    from loom.topology.checks import sample_multiple
+    from loom.topology.layout import resolve_placement
+
+    for world, overrides, expected in [
+        (4, ["--layout.language.cp=2"], 4),  # 2·cp chunks per sample
+        (4, ["--layout.language.tp=2", "--layout.language.sequence_parallel=true"], 2),
+        (8, ["--layout.language.cp=2", "--layout.language.tp=2", "--layout.language.sequence_parallel=true",
+             "--data.pad_to_multiple=3"], 24),  # lcm(3, 2·2·2)
+        (4, ["--layout.language.tp=2"], 1),  # tp without SP: samples need no padding
+    ]:
+        cfg = load_config(None, overrides, world_size=world)
+        assert sample_multiple(resolve_placement(cfg, world).layouts["language"], cfg) == expected, overrides
 
 
 def test_layout_errors_come_before_any_model_is_built(monkeypatch):

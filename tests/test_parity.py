@@ -23,6 +23,10 @@ def tp(t: int) -> list[str]:
     return [o.format(t=t) for o in TP]
 
 
+def mb(m: int, tokens: int) -> list[str]:
+    return [f"--train.microbatches={m}", f"--data.tokens_per_microbatch={tokens}"]
+
+
 # (world size, overrides): dp ∈ {1, 2, 4, 8}, tp ∈ {1, 2, 4}, dp×tp ∈ {2×2, 4×2}, with and without SP
 LAYOUTS = {
     "dp1": (1, []),
@@ -56,6 +60,16 @@ LAYOUTS = {
     "compiled-fan-in-llm-tp2-sp": (4, COMPILE + ["--layout.vision.tp=1", "--layout.language.tp=2",
                                                  "--data.pad_to_multiple=2"] + SP),
     "compiled-cp2": (2, COMPILE + CP2),
+    # M microbatches per replica (gradient accumulation), contiguous shares or T-token bins, against the
+    # reference's one batch
+    "mb2-dp2": (2, ["--train.microbatches=2"]),
+    "mb4-bins-dp2": (2, mb(4, 256)),
+    "mb4-bins-with-empty-bins": (2, mb(4, 512) + ["--train.global_batch_size=4"]),
+    "mb2-bins-tp2-sp": (2, mb(2, 512) + tp(2) + SP),
+    "mb4-bins-fan-in": (4, mb(4, 256) + FAN_IN),
+    "mb2-bins-fan-out": (4, mb(2, 512) + ["--layout.vision.tp=4"]),
+    "mb2-bins-cp2": (2, mb(2, 512) + ["--layout.language.cp=2"]),  # the sample multiple 4 is derived
+    "mb4-bins-skip-too-long": (2, mb(4, 48) + ["--train.global_batch_size=8", "--data.too_long=skip"]),
     # bf16 compute (FSDP mixed precision) against the fp32 reference, at bf16's tolerances
     "bf16-dp2": (2, BF16),
     "bf16-fan-in": (4, BF16 + FAN_IN),

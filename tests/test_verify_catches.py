@@ -54,10 +54,17 @@ def _bridge_output(change):
     return _patched(ColocatedBridge, "__call__", lambda self, *a: change(self, call(self, *a)))
 
 
+def _layout_inputs(change):
+    """Patches the layout's step inputs (verify builds the reference's separately)."""
+    import loom.train.verify as verify
+
+    make = verify.step_inputs
+    return _patched(verify, "step_inputs", lambda *a: change(make(*a)))
+
+
 def _fault(name: str):
     """The fault, applied in this rank's process (each rank is its own process)."""
     import loom.bridge.colocated as bridge
-    import loom.train.step as step
 
     me = dist.get_rank()
     if name == "encoder gradient scaled by llm_dp/encoder_dp":  # Megatron-Bridge #4066, on every rank
@@ -76,18 +83,19 @@ def _fault(name: str):
         return _bridge_output(poison)
     if name == "cp sum dropped from the bridge backward":  # the encoders see one cp rank's gradient only
         return _patched(bridge, "_sum_over_context", lambda grad, group: grad)
-    if name == "one rank counts its tokens twice":  # the layout's count only: the reference has no group
-        count = step.global_token_count
+    if name == "one rank counts its tokens twice":  # the layout's inputs only: the reference has its own
+        def doubled(inputs):
+            if me == FAULTY_RANK:
+                inputs.supervised += sum(m.llm.num_supervised for m in inputs.microbatches)
+            return inputs
 
-        def doubled(batch, group):
-            if group is None or me != FAULTY_RANK:
-                return count(batch, group)
-            return max(1.0, step.sum_over(2 * batch.num_supervised, group))
-
-        return _patched(step, "global_token_count", doubled)
+        return _layout_inputs(doubled)
     if name == "each replica divides by its own token count":
-        count = step.global_token_count
-        return _patched(step, "global_token_count", lambda batch, group: count(batch, None))
+        def own(inputs):
+            inputs.supervised = sum(m.llm.num_supervised for m in inputs.microbatches)
+            return inputs
+
+        return _layout_inputs(own)
     raise ValueError(name)
 
 
@@ -102,7 +110,7 @@ FAULTS = {
     "one bridge row wrong": (4, FAN_IN, "gradients"),
     "nan in one rank's encoder output": (2, [], "not finite"),
     "cp sum dropped from the bridge backward": (2, CP2, "vision gradients"),
-    "one rank counts its tokens twice": (2, [], "loss"),
+    "one rank counts its tokens twice": (2, [], "language gradients"),  # its replica's share is scaled
     "each replica divides by its own token count": (2, [], "loss"),
 }
 BF16_TOO = ["encoder gradient scaled by llm_dp/encoder_dp", "one bridge row wrong",

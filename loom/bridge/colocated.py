@@ -10,16 +10,26 @@ other module:
 - equal: the replicas coincide; nothing moves.
 Rows are ragged — samples carry different numbers of modality tokens — so only flat [rows, hidden] tensors
 move: each replica's first rank sends its rows to every rank of the block (all_to_all_single with uneven
-splits), the other ranks send none. Every rank knows every sender's row count from host data (the samples
-of its own encoder and LLM shares), so nothing is read back from the device.
+splits), the other ranks send none. Every rank knows every replica's row count from host data
+(train/inputs.py), so nothing is read back from the device.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from loom.topology.grid import Grid
+
+
+@dataclass(frozen=True)
+class ReplicaRows:
+    """One microbatch's modality rows of one encoder, per replica on each side of its bridge."""
+
+    encoder: list[int]  # rows held by each encoder replica (dp index order)
+    llm: list[int]  # rows needed by each LLM replica (dp index order)
 
 
 def exchange_rows(x: torch.Tensor, counts: list[int], me: int, send: bool, group: dist.ProcessGroup) -> torch.Tensor:
@@ -96,7 +106,7 @@ class _SumOverContext(torch.autograd.Function):
 class ColocatedBridge:
     """Moves one encoder's embeddings to the LLM's layout on this rank; built once, at start-up."""
 
-    def __init__(self, src: Grid, dst: Grid, global_batch: int, debug_checks: bool = False) -> None:
+    def __init__(self, src: Grid, dst: Grid, debug_checks: bool = False) -> None:
         if src.layout.ranks != dst.layout.ranks:
             raise ValueError(f"{src.module} and {dst.module} are not colocated")
         self.src, self.dst = src, dst
@@ -104,7 +114,6 @@ class ColocatedBridge:
         me = dist.get_rank()
         self.src_dp, self.dst_dp = src.layout.dp, dst.layout.dp
         self.src_coord, self.dst_coord = src.coord(me), dst.coord(me)
-        self.src_share, self.dst_share = global_batch // self.src_dp, global_batch // self.dst_dp
         self.senders: list[int | None] = []  # per group member: the replica (dp index) it sends, or None
         if self.src_dp > self.dst_dp:  # fan-in: the block is the LLM replica, each encoder replica sends
             self.mode = "fan-in"
@@ -126,32 +135,23 @@ class ColocatedBridge:
         self.send = bool(self.senders) and self.senders[self.me] is not None
         self.cp_group = dst.group("cp") if dst.layout.cp > 1 else None
 
-    def _counts(self, rows_per_sample: list[int], first_sample: int, share: int) -> list[int]:
-        """Rows each group member sends: its replica's samples, read from a share whose first sample (in the
-        global batch) is `first_sample` and that holds every sender's samples."""
-        counts = []
-        for dp in self.senders:
-            start = dp * share - first_sample if dp is not None else 0
-            counts.append(sum(rows_per_sample[start : start + share]) if dp is not None else 0)
-        return counts
-
-    def __call__(self, rows: torch.Tensor, rows_per_sample: list[int], llm_rows_per_sample: list[int]) -> torch.Tensor:
-        """rows: this rank's encoder output ([rows, hidden], sample after sample, its encoder replica's
-        samples); rows_per_sample / llm_rows_per_sample: the row count of each sample of this rank's encoder
-        share / LLM share. Returns the rows of the LLM replica's samples, in sample order."""
+    def __call__(self, rows: torch.Tensor, counts: ReplicaRows) -> torch.Tensor:
+        """rows: this rank's encoder output ([rows, hidden], its encoder replica's samples in order);
+        counts: every replica's row count on both sides (host data). Returns the rows of this rank's LLM
+        replica's samples, in order."""
         if self.debug_checks:
             check_replicated(rows, self.src.group("tp"), f"{self.src.module} encoder")
         if self.mode == "equal":
             return _SumOverContext.apply(rows, self.cp_group) if self.cp_group is not None else rows
-        if self.mode == "fan-in":  # the LLM share holds every encoder replica's samples of the block
-            counts = self._counts(llm_rows_per_sample, self.dst_coord["dp"] * self.dst_share, self.src_share)
-            return _GatherRows.apply(rows, counts, self.me, self.send, self.sender_index, self.group, self.cp_group)
-        # fan-out: the LLM replica's samples are a contiguous run inside the encoder replica's samples
-        first = self.dst_coord["dp"] * self.dst_share - self.src_coord["dp"] * self.src_share
-        start = sum(rows_per_sample[:first])
-        length = sum(rows_per_sample[first : first + self.dst_share])
-        counts = self._counts(rows_per_sample, self.src_coord["dp"] * self.src_share, self.dst_share)
-        return _NarrowRows.apply(rows, start, length, counts, self.me, self.send, self.group, self.cp_group)
+        if self.mode == "fan-in":  # the LLM replica's samples are its block's encoder replicas', in order
+            sent = [counts.encoder[dp] if dp is not None else 0 for dp in self.senders]
+            return _GatherRows.apply(rows, sent, self.me, self.send, self.sender_index, self.group, self.cp_group)
+        # fan-out: the encoder replica's samples are its block's LLM replicas', in order
+        first = self.src_coord["dp"] * (self.dst_dp // self.src_dp)
+        start = sum(counts.llm[first : self.dst_coord["dp"]])
+        sent = [counts.llm[dp] if dp is not None else 0 for dp in self.senders]
+        return _NarrowRows.apply(rows, start, counts.llm[self.dst_coord["dp"]], sent, self.me, self.send,
+                                 self.group, self.cp_group)
 
 
 def check_replicated(x: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:

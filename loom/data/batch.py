@@ -57,6 +57,11 @@ def shifted_labels(sample: Sample) -> list[int]:
     return [toks[i + 1] if sup[i + 1] else IGNORE_INDEX for i in range(len(toks) - 1)] + [IGNORE_INDEX]
 
 
+def supervised_count(sample: Sample) -> int:
+    """Targets of a sample after the shift: what Batch.num_supervised counts for it."""
+    return sum(label != IGNORE_INDEX for label in shifted_labels(sample))
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

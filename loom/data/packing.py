@@ -29,7 +29,7 @@ def pack_samples(
     pack_len: int | None = None,
     backend: str = "auto",
 ) -> Batch:
-    if not samples:
+    if not samples and pack_len is None:
         raise ValueError("pack_samples: no samples to pack")
     ids, labels, positions, lengths = [], [], [], []
     for s in samples:

@@ -39,13 +39,21 @@ class TokenLayout:
         return TokenLayout(cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max_len, backend=backend)
 
     @staticmethod
-    def from_lengths(lengths: list[int], device: torch.device | str = "cpu", backend: str = "auto") -> TokenLayout:
-        """From host-side lengths: nothing is read back from the device (no stream sync mid-forward)."""
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    def from_lengths(lengths: list[int], device: torch.device | str = "cpu", backend: str = "auto",
+                     segments: int = 0, max_seqlen: int = 0) -> TokenLayout:
+        """From host-side lengths: nothing is read back from the device (no stream sync mid-forward).
+        Fixed shapes for compiled blocks: `segments` pads cu_seqlens with empty trailing segments to that many,
+        `max_seqlen` replaces the longest length by an upper bound (both valid for every backend)."""
+        if segments and segments < len(lengths):
+            raise ValueError(f"TokenLayout: {len(lengths)} segments do not fit a budget of {segments}")
+        if max_seqlen and max_seqlen < max(lengths, default=0):
+            raise ValueError(f"TokenLayout: a segment of {max(lengths)} exceeds max_seqlen = {max_seqlen}")
+        cu = torch.zeros(max(len(lengths), segments) + 1, dtype=torch.int32)
+        cu[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+        cu[len(lengths) + 1 :] = sum(lengths)  # empty segments: attend to nothing, cost one idle block each
         # non_blocking: a plain host-to-device copy would also wait for the stream to drain
         cu = cu.to(device, non_blocking=True)
-        return TokenLayout(cu_seqlens=cu, max_seqlen=max(lengths, default=0), backend=backend)
+        return TokenLayout(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend)
 
     @staticmethod
     def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenLayout:

@@ -2,18 +2,25 @@
 
 Each block's `forward` is compiled in place of the module: the module stays what it was (same parameter
 names for checkpoints and Hugging Face export), and the hooks that FSDP2 and TP install on it run eagerly
-around the compiled body. Blocks of one module share their code, so one graph serves them all. The token
-count changes every step: the second step recompiles with dynamic sizes, and the guards that remain
-(alignment, size ranges) see few variants because token counts are rounded up to 64 (train/build.py
-`collate`, models/encoder_layer.py `run_packed`).
+around the compiled body. Blocks of one module share their code, so one graph serves them all.
+
+Fixed shapes: with a token budget (`data.tokens_per_microbatch = T`) nothing a compiled block sees changes
+between microbatches, so after the first step nothing compiles again. The LLM's microbatches are T tokens
+with `cu_seqlens` of a fixed length and max_seqlen = T (train/inputs.py `collate`); each encoder pads its
+layers' rows to a fixed `RowBudget` (models/encoder_layer.py `run_packed`), set here. Without a budget,
+token counts are rounded up to 64 and the guards that remain (alignment, size ranges) see few variants.
 """
 
 from __future__ import annotations
 
 import torch
 import torch._functorch.config
+import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
+from loom.config import JobConfig
+from loom.models.encoder_layer import RowBudget
 from loom.parallel.blocks import transformer_blocks
 
 # every block of a module is a separate frame for dynamo's cache; leave room for the encoders' and the
@@ -21,7 +28,8 @@ from loom.parallel.blocks import transformer_blocks
 _CACHE_LIMIT = 64
 
 
-def compile_blocks(model: nn.Module, modules: list[str], backend: str = "inductor") -> None:
+def compile_blocks(model: nn.Module, modules: list[str], cfg: JobConfig | None = None,
+                   backend: str = "inductor") -> None:
     # A compiled TP + SP block restored from AOTAutograd's on-disk cache (a second run of the same job)
     # gave wrong gradients on torch 2.13 while a fresh compile was exact (tests/test_compile_cache.py).
     # Off, every run traces its graphs again; inductor's kernel cache still spares the codegen.
@@ -29,6 +37,30 @@ def compile_blocks(model: nn.Module, modules: list[str], backend: str = "inducto
     config = torch._dynamo.config
     key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in 2.x
     setattr(config, key, max(getattr(config, key), _CACHE_LIMIT))
+    budgets = row_budgets(cfg, dist.get_world_size() if dist.is_initialized() else 1) if cfg else {}
     for name in modules:
+        if name in budgets:
+            model.get_submodule(name).encoder.row_budget = budgets[name]
         for block in transformer_blocks(name, model.get_submodule(name)):
             block.forward = torch.compile(block.forward, backend=backend)
+
+
+def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
+    """Each encoder's fixed rows per call: `data.encoder_rows_per_microbatch[name]`, else T per LLM
+    microbatch it serves (its rows are placeholders among the T tokens, so T always suffices); items: one
+    per sample of the global batch."""
+    t, explicit = cfg.data.tokens_per_microbatch, cfg.data.encoder_rows_per_microbatch
+    serves = {name: 1 for name in cfg.model.encoders}  # LLM microbatches one encoder call covers
+    if t and world_size > 1:  # fan-out: an encoder replica serves several LLM replicas
+        from loom.topology.layout import resolve_placement
+
+        layouts = resolve_placement(cfg, world_size).layouts
+        serves = {n: max(1, layouts["language"].dp // layouts[n].dp) for n in serves}
+    rows = {n: explicit.get(n) or t * serves[n] for n in serves}
+    return {n: RowBudget(r, cfg.train.global_batch_size) for n, r in rows.items() if r}
+
+
+def compiled_frames() -> int:
+    """Frames dynamo has compiled in this process, first compiles and recompiles alike: what this returns
+    after a run's first step, subtracted from what it returns later, is the run's recompiles."""
+    return counters["frames"]["total"]

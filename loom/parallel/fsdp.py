@@ -47,3 +47,12 @@ def apply_fsdp(
             m.set_gradient_divide_factor(1.0)
             if gloo:  # gloo has no PREMUL_SUM; NCCL keeps its fused pre-multiplied reduction
                 m.set_force_sum_reduction_for_comms(True)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduce-scatters gradients. Off for all but a step's last microbatch:
+    gradients accumulate unsharded on each rank and are reduced once per step (1/M of the traffic, for one
+    unsharded gradient copy of memory). A model without FSDP (one process) has nothing to switch."""
+    for m in model.children():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(enabled)

@@ -6,6 +6,8 @@ instead of deadlocking the ranks that passed.
 
 from __future__ import annotations
 
+import math
+
 from loom.config import ConfigError, JobConfig
 from loom.topology.layout import Layout, Placement
 
@@ -23,11 +25,12 @@ def check_placement(placement: Placement, cfg: JobConfig) -> None:
             _check_language(lay, cfg)
         else:
             _check_encoder(lay, cfg)
-        batch = cfg.train.global_batch_size
-        if batch % lay.dp:
+        batch, m = cfg.train.global_batch_size, cfg.train.microbatches
+        if name == "language" and not cfg.data.tokens_per_microbatch and batch % (lay.dp * m):
             raise ConfigError(
-                f"{name}: train.global_batch_size = {batch} is not divisible by its dp = {lay.dp}; "
-                f"use a multiple of {lay.dp}"
+                f"language: train.global_batch_size = {batch} is not divisible by its dp = {lay.dp} × "
+                f"train.microbatches = {m}; use a multiple of {lay.dp * m}, or set data.tokens_per_microbatch "
+                f"to pack microbatches by tokens"
             )
 
 
@@ -42,16 +45,26 @@ def _check_language(lay: Layout, cfg: JobConfig) -> None:
         )
     if lay.sequence_parallel and lay.tp == 1:
         raise ConfigError("language: sequence_parallel = true needs tp > 1 (it shards tokens over the tp group)")
-    sp = lay.tp if lay.sequence_parallel else 1
-    if lay.cp > 1 or sp > 1:
-        factor = (2 * lay.cp if lay.cp > 1 else 1) * sp
-        what = " · ".join(([f"2·cp = {2 * lay.cp} chunks"] if lay.cp > 1 else []) +
-                          ([f"tp = {lay.tp} sequence-parallel shards"] if sp > 1 else []))
-        if cfg.data.pad_to_multiple % factor:
-            raise ConfigError(
-                f"language: each sample is split into {what}, but data.pad_to_multiple = "
-                f"{cfg.data.pad_to_multiple} is not a multiple of {factor}; set data.pad_to_multiple = {factor}"
-            )
+    budget, multiple = cfg.data.tokens_per_microbatch, sample_multiple(lay, cfg)
+    if budget and budget % multiple:
+        raise ConfigError(
+            f"data.tokens_per_microbatch = {budget} is not a multiple of {multiple} (every sample is padded to "
+            f"{_multiple_reason(lay, cfg)}); use {budget // multiple * multiple or multiple} or "
+            f"{(budget // multiple + 1) * multiple}")
+
+
+def sample_multiple(lay: Layout, cfg: JobConfig) -> int:
+    """What every sample's tokens are padded to: data.pad_to_multiple, times what the layout needs — 2·cp
+    chunks per sample under cp, tp shards under sequence parallel (derived, so nobody has to set it)."""
+    cp = 2 * lay.cp if lay.cp > 1 else 1
+    return math.lcm(cfg.data.pad_to_multiple, cp * (lay.tp if lay.sequence_parallel else 1))
+
+
+def _multiple_reason(lay: Layout, cfg: JobConfig) -> str:
+    parts = [f"data.pad_to_multiple = {cfg.data.pad_to_multiple}"] if cfg.data.pad_to_multiple > 1 else []
+    parts += [f"2·cp = {2 * lay.cp} chunks"] if lay.cp > 1 else []
+    parts += [f"tp = {lay.tp} sequence-parallel shards"] if lay.sequence_parallel else []
+    return " and ".join(parts) or "1"
 
 
 def _check_encoder(lay: Layout, cfg: JobConfig) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -12,20 +11,21 @@ import torch.distributed as dist
 
 from loom.bridge.colocated import ColocatedBridge
 from loom.config import ConfigError, JobConfig
-from loom.data.batch import Batch, pad_samples, round_up
 from loom.data.format import TokenCounter, to_sample
 from loom.data.loader import GlobalBatches
-from loom.data.packing import pack_samples, packed_length
 from loom.data.sample import Sample
 from loom.data.tasks import TaskDataset
 from loom.data.tokenizer import ByteTokenizer
 from loom.models.hf import make_module
 from loom.models.multimodal import MultimodalModel, build_model
 from loom.parallel import parallelize
+from loom.parallel.checkpointing import checkpoint_blocks
 from loom.parallel.compile import compile_blocks
 from loom.topology import Topology
+from loom.topology.checks import sample_multiple
+from loom.train.inputs import StepInputs, fitting, plan_inputs
 from loom.train.optim import freeze_modules
-from loom.train.step import StepBatch, StepComms
+from loom.train.step import StepComms
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,20 +68,6 @@ def build_batches(cfg: JobConfig, train_set: TaskDataset, tok: ByteTokenizer, co
     return GlobalBatches(train_set, cfg.train.global_batch_size, cfg.data.seed, lambda ex: to_sample(ex, tok, counters))
 
 
-COMPILED_TOKEN_MULTIPLE = 64
-
-
-def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer) -> Batch:
-    d, backend = cfg.data, cfg.model.attention
-    # compiled blocks specialise on the token count's alignment and size range, and under FSDP one rank's
-    # recompile stalls them all: rounding the count up to a multiple of 64 keeps the variants few
-    step = math.lcm(d.pad_to_multiple, COMPILED_TOKEN_MULTIPLE) if cfg.train.compile else d.pad_to_multiple
-    if d.format == "thd":
-        pack_len = round_up(packed_length(samples, d.pad_to_multiple), step)
-        return pack_samples(samples, tok.pad_id, d.pad_to_multiple, pack_len, backend=backend)
-    return pad_samples(samples, tok.pad_id, step, backend=backend)
-
-
 @dataclass
 class RankPlan:
     """What the layouts give this rank: its groups, each module's share of every global batch (its dp
@@ -90,6 +76,7 @@ class RankPlan:
     topo: Topology | None
     comms: StepComms
     shares: dict[str, tuple[int, int]]  # module → (dp rank, dp size)
+    sample_multiple: int  # every sample's tokens are padded to a multiple of this (2·cp, ·tp under SP)
     bridges: dict[str, ColocatedBridge] = field(default_factory=dict)
 
     @property
@@ -109,13 +96,15 @@ class RankPlan:
 
 
 def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device) -> RankPlan:
-    """One process: nothing to do. Under torchrun: build every group, apply each module's layout, and build
-    the bridges."""
+    """Every run: compile and checkpoint the blocks as configured. Under torchrun also: build every group,
+    apply each module's layout, and build the bridges."""
     modules = [*model.encoder_names, "language"]
     if cfg.train.compile:  # traced lazily at the first step, so the layout below is what it sees
-        compile_blocks(model, modules)
+        compile_blocks(model, modules, cfg)
+    # after compile (the compiled forward runs inside the checkpoint); TP/FSDP hooks stay outside it
+    checkpoint_blocks(model, modules, cfg.train.activation_checkpointing, cfg.train.compile)
     if not dist.is_initialized():
-        return RankPlan(None, StepComms(), {m: (0, 1) for m in modules})
+        return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple)
     topo = Topology.build(cfg)
     _require_supported(topo)
     parallelize(model, topo, cfg, device.type)
@@ -123,28 +112,22 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
     lang = topo.grids["language"]
     shares = {m: (topo.grids[m].coord(me)["dp"], topo.grids[m].layout.dp) for m in modules}
     bridges = {
-        m: ColocatedBridge(topo.grids[m], lang, cfg.train.global_batch_size, cfg.parallel.debug_checks)
+        m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks)
         for m in model.encoder_names
     }
     lay = lang.layout
     comms = StepComms(lang.group("dp", "cp"), loss_parallel=lay.tp > 1, cp_group=lang.group("cp") if lay.cp > 1 else None)
-    return RankPlan(topo, comms, shares, bridges)
+    return RankPlan(topo, comms, shares, sample_multiple(lay, cfg), bridges)
 
 
-def step_batch(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: ByteTokenizer,
-               counters: dict[str, TokenCounter], device: torch.device) -> StepBatch:
-    """This rank's inputs of global batch `step`: the LLM's share as tokens, each encoder's share as items."""
-    llm_samples = batches.shard(step, *plan.shares["language"])
-    items, rows, llm_rows = {}, {}, {}
-    for name, counter in counters.items():
-        per_sample = lambda ss: [sum(counter(item) for item in s.items(name)) for s in ss]  # noqa: E731
-        same = plan.shares[name] == plan.shares["language"]
-        samples = llm_samples if same else batches.shard(step, *plan.shares[name])
-        items[name] = [item.to(device) for s in samples for item in s.items(name)]
-        rows[name] = per_sample(samples)
-        llm_rows[name] = rows[name] if same else per_sample(llm_samples)
-    batch = collate(llm_samples, cfg, tok).to(device)
-    return StepBatch(batch, items, rows, llm_rows, sum(len(s) for s in llm_samples))
+def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: ByteTokenizer,
+                counters: dict[str, TokenCounter], device: torch.device) -> StepInputs:
+    """This rank's microbatches of global batch `step` (train/inputs.py)."""
+    samples, indices, skipped = fitting(batches.shard(step), batches.indices(step), cfg, plan.sample_multiple)
+    inputs = plan_inputs(samples, indices, cfg, tok, counters, plan.shares, plan.sample_multiple, device)
+    if skipped:
+        inputs.stats["skipped_too_long"] = float(skipped)
+    return inputs
 
 
 def _require_supported(topo: Topology) -> None:

@@ -1,8 +1,9 @@
 """One optimizer step — the same code for the one-process reference and for every layout.
 
-The only difference between them is where the step's reductions go (`StepComms`): the supervised-token
-count and the reported loss are summed over the data replicas, and the LM head's logits may be
-vocab-sharded (loss parallel). Gradient reduction is FSDP's, the grad norm DTensor's.
+The only differences between them are the microbatches (the reference runs the whole global batch as one)
+and where the step's reductions go (`StepComms`): the reported loss is summed over the data replicas, and
+the LM head's logits may be vocab-sharded (loss parallel). Gradient reduction is FSDP's, the grad norm
+DTensor's; the supervised-token count comes from host data (train/inputs.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from loom.config import TrainConfig
 from loom.data.batch import Batch
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.context import shard_for_context
+from loom.parallel.fsdp import set_gradient_sync
+from loom.train.inputs import StepBatch, StepInputs
 from loom.train.loss import loss_function
 from loom.train.optim import clip_and_check, set_lr
 
@@ -29,23 +32,6 @@ class StepComms:
     dp_group: dist.ProcessGroup | None = None  # ranks holding different LLM tokens (dp × cp); None: one process
     loss_parallel: bool = False  # logits arrive vocab-sharded (LLM tp > 1)
     cp_group: dist.ProcessGroup | None = None  # the LLM's context-parallel group, when cp > 1
-
-
-@dataclass
-class StepBatch:
-    """One rank's inputs for one step: the LLM's share as a batch, each encoder's share as its items."""
-
-    llm: Batch
-    encoder_items: dict[str, list[torch.Tensor]]  # per encoder, in placeholder order of its share
-    rows_per_sample: dict[str, list[int]]  # per encoder: modality tokens of each sample of its share
-    llm_rows_per_sample: dict[str, list[int]]  # per encoder: its modality tokens of each sample of the LLM share
-    tokens: int  # real tokens of the LLM share (padding excluded)
-
-    @staticmethod
-    def of(batch: Batch, rows_per_sample: dict[str, list[int]] | None = None, tokens: int = 0) -> StepBatch:
-        """Every module reads the same samples (one process, or one layout): the batch's own items."""
-        rows = rows_per_sample or {}
-        return StepBatch(batch, batch.modality_inputs, rows, rows, tokens)
 
 
 @dataclass
@@ -65,28 +51,23 @@ def sum_over(value: float | int, group: dist.ProcessGroup | None) -> float:
     return float(t)
 
 
-def global_token_count(batch: Batch, group: dist.ProcessGroup | None) -> float:
-    """Supervised tokens of the whole global batch: this rank's share summed over the ranks holding others."""
-    return max(1.0, sum_over(batch.num_supervised, group))
-
-
-def local_value(t: torch.Tensor) -> float:
-    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def forward(
     model: MultimodalModel, inputs: StepBatch, llm: Batch, bridges: dict | None = None, selectors: dict | None = None
 ) -> torch.Tensor:
-    """Each encoder on its own share, its rows moved to the LLM's share by its bridge, then the LLM on
-    `llm` — the LLM share itself, or this cp rank's part of it with `selectors` picking the rows it holds."""
+    """Each encoder on its own part, its rows moved to the LLM's part by its bridge, then the LLM on
+    `llm` — the LLM part itself, or this cp rank's part of it with `selectors` picking the rows it holds."""
     embeds = {}
     for name in model.encoder_names:
         rows = model.encoder(name)(inputs.encoder_items.get(name, []))
         if bridges:
-            rows = bridges[name](rows, inputs.rows_per_sample[name], inputs.llm_rows_per_sample[name])
+            rows = bridges[name](rows, inputs.rows[name])
         embeds[name] = rows
     slots = {name: inputs.llm.count(pid) for name, pid in model.placeholder_ids.items()}
-    inserts = model.inserts(inputs.llm.input_ids, embeds, slots)  # checked against the whole share
+    inserts = model.inserts(inputs.llm.input_ids, embeds, slots)  # checked against the whole part
     if selectors:
         inserts = {pid: rows[selectors[pid]] for pid, rows in inserts.items()}
     return model.language(llm.input_ids, llm.positions, llm.layout, inserts)
@@ -95,7 +76,7 @@ def forward(
 def train_step(
     model: MultimodalModel,
     optimizer,
-    inputs: StepBatch,
+    inputs: StepInputs,
     cfg: TrainConfig,
     step: int,
     comms: StepComms,
@@ -103,23 +84,31 @@ def train_step(
     autocast=contextlib.nullcontext,
     inspect_grads: Callable[[MultimodalModel], None] | None = None,
 ) -> StepResult:
-    """`inspect_grads(model)` sees the raw gradients after backward, before clipping (loom verify)."""
-    batch, selectors = inputs.llm, None
-    if comms.cp_group is not None:
-        batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
-    # every rank divides by the supervised tokens of the *global* batch: gradients then add up over dp × cp
-    n_tokens = global_token_count(batch, comms.dp_group)
+    """Forward and backward of every microbatch (gradients accumulate; FSDP reduces them once, after the
+    last), then one clip and one optimizer step. `inspect_grads(model)` sees the raw gradients after the
+    last backward, before clipping (loom verify)."""
+    # every microbatch divides by the supervised tokens of the *global* batch, known from host data:
+    # gradients then add up over microbatches and dp × cp to the reference's mean
+    n_tokens = max(1, inputs.supervised)
     lr = set_lr(optimizer, step, cfg)
-    with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
-        with autocast():
-            logits = forward(model, inputs, batch, bridges, selectors)
-        loss_sum = loss_function(cfg.compile, comms.loss_parallel)(logits, batch.labels)
-        (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
+    loss_total = 0.0  # a device tensor after the first microbatch: read once, at the end
+    last = len(inputs.microbatches) - 1
+    for i, micro in enumerate(inputs.microbatches):
+        set_gradient_sync(model, i == last)
+        batch, selectors = micro.llm, None
+        if comms.cp_group is not None:
+            batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
+        with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
+            with autocast():
+                logits = forward(model, micro, batch, bridges, selectors)
+            loss_sum = loss_function(cfg.compile, comms.loss_parallel)(logits, batch.labels)
+            (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
+        loss_total = loss_total + local_tensor(loss_sum.detach())
     if inspect_grads is not None:
         inspect_grads(model)
     norm, finite = clip_and_check(model, cfg.grad_clip)
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss = sum_over(local_value(loss_sum.detach()), comms.dp_group) / n_tokens
+    loss = sum_over(float(loss_total), comms.dp_group) / n_tokens
     return StepResult(loss, norm, lr, not finite)

@@ -17,10 +17,9 @@ from loom.train.build import (
     build_batches,
     build_datasets,
     build_job_model,
-    collate,
     resolve_device,
     setup_parallel,
-    step_batch,
+    step_inputs,
     token_counters,
 )
 from loom.train.checkpoint import (
@@ -33,7 +32,8 @@ from loom.train.checkpoint import (
 from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
-from loom.train.step import StepBatch, StepResult, train_step
+from loom.train.inputs import StepInputs, collate
+from loom.train.step import StepResult, train_step
 
 
 class Trainer:
@@ -59,10 +59,10 @@ class Trainer:
         """One optimizer step on this rank's shares of global batch `self.step` — or, on one process, on
         the given samples."""
         if samples is None:
-            inputs = step_batch(self.batches, self.step, self.plan, self.cfg, self.tok, self.counters, self.device)
+            inputs = step_inputs(self.batches, self.step, self.plan, self.cfg, self.tok, self.counters, self.device)
         else:
-            inputs = StepBatch.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
-        self.last_tokens = inputs.tokens
+            inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
+        self.last_tokens, self.last_stats = inputs.tokens, inputs.stats
         result = train_step(self.model, self.optimizer, inputs, self.cfg.train, self.step, self.plan.comms,
                             self.plan.bridges, self.plan.autocast(self.cfg.train.dtype, self.device))
         self.step += 1
@@ -79,9 +79,10 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 r = self.train_step()
-                tokens += self.last_tokens * self.plan.shares["language"][1]
+                tokens += self.last_tokens * self.plan.shares["language"][1]  # replicas hold about the same
                 elapsed = time.perf_counter() - t0
-                log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped)})
+                log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped),
+                                    **self.last_stats})
                 status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}"
                 if r.skipped:
                     log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped on every rank")

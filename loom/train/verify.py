@@ -24,15 +24,15 @@ from loom.train.build import (
     build_batches,
     build_datasets,
     build_job_model,
-    collate,
     resolve_device,
     setup_parallel,
-    step_batch,
+    step_inputs,
     token_counters,
 )
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.optim import ModuleOptimizers
-from loom.train.step import StepBatch, StepComms, train_step
+from loom.train.inputs import StepInputs, collate, fitting
+from loom.train.step import StepComms, train_step
 
 AGAINST = ("layout", "compile", "bf16")
 
@@ -89,8 +89,9 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     out = console or Console(width=170)
     checks = []
     for step in range(steps):
-        mine = step_batch(batches, step, plan, checked, tok, counters, device)
-        full = StepBatch.of(collate(batches.shard(step), cfg, tok).to(device))
+        mine = step_inputs(batches, step, plan, checked, tok, counters, device)
+        kept = fitting(batches.shard(step), batches.indices(step), cfg, plan.sample_multiple)[0]
+        full = StepInputs.of(collate(kept, cfg, tok).to(device))  # the whole global batch at once
         ref_before, ref_grads = parameters(reference), {}
         ref = train_step(reference, ref_optimizer, full, eager_fp32, step, StepComms(),
                          inspect_grads=lambda m: ref_grads.update(gradients(m)))

@@ -1,0 +1,150 @@
+"""A rank's inputs for one optimizer step, from host data alone (the same plan on every rank, no collective).
+
+The global batch of step s is split into M microbatches per LLM replica: bins of exactly
+`data.tokens_per_microbatch` tokens filled by the balancing packer (data/bins.py), or, without a token
+budget, contiguous equal shares. Each encoder replica then takes its part of every microbatch: under fan-in
+(more encoder replicas than LLM replicas) a contiguous, row-balanced part of one LLM replica's samples;
+under fan-out the LLM replicas of its block, one after another. The bridge concatenates or narrows these
+row runs, so it only needs each replica's row count, which every rank computes here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.bridge.colocated import ReplicaRows
+from loom.config import JobConfig
+from loom.data.batch import Batch, pad_samples, round_up, supervised_count
+from loom.data.bins import assign_bins, bin_stats
+from loom.data.format import TokenCounter
+from loom.data.packing import pack_samples, packed_length
+from loom.data.sample import Sample
+from loom.data.tokenizer import ByteTokenizer
+
+COMPILED_TOKEN_MULTIPLE = 64
+
+
+@dataclass
+class StepBatch:
+    """One microbatch on this rank: the LLM's part as a batch, each encoder's part as its items."""
+
+    llm: Batch
+    encoder_items: dict[str, list[torch.Tensor]]  # per encoder, in placeholder order of its part
+    rows: dict[str, ReplicaRows] = field(default_factory=dict)  # per encoder (none on one process)
+
+    @staticmethod
+    def of(batch: Batch) -> StepBatch:
+        """Every module reads the same samples (one process): the batch's own items."""
+        return StepBatch(batch, batch.modality_inputs)
+
+
+@dataclass
+class StepInputs:
+    microbatches: list[StepBatch]
+    supervised: int  # supervised tokens of the whole global batch: every microbatch's loss divides by it
+    tokens: int  # real (non-padding) LLM tokens of this rank's replica over the step
+    stats: dict[str, float] = field(default_factory=dict)  # bin balance and fill (with a token budget)
+
+    @staticmethod
+    def of(batch: Batch, tokens: int = 0) -> StepInputs:
+        return StepInputs([StepBatch.of(batch)], batch.num_supervised, tokens)
+
+
+def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer, multiple: int | None = None,
+            length: int | None = None) -> Batch:
+    """Packed (THD) or padded (BSHD) batch of `samples`, each padded to `multiple` tokens (default
+    data.pad_to_multiple); `length`: a packed batch filled to exactly that many tokens."""
+    d, backend = cfg.data, cfg.model.attention
+    multiple = multiple or d.pad_to_multiple
+    # compiled blocks specialise on the token count's alignment and size range, and under FSDP one rank's
+    # recompile stalls them all: rounding the count up to a multiple of 64 keeps the variants few
+    step = math.lcm(multiple, COMPILED_TOKEN_MULTIPLE) if cfg.train.compile else multiple
+    if d.format != "thd":
+        return pad_samples(samples, tok.pad_id, step, backend=backend)
+    batch = pack_samples(samples, tok.pad_id, multiple, length or round_up(packed_length(samples, multiple), step),
+                         backend=backend)
+    if length and cfg.train.compile:
+        # fixed shapes, so a compiled block never recompiles: cu_seqlens of a fixed length (at most one segment
+        # per sample of the global batch, plus the filler; each holds ≥ `multiple` tokens) and max_seqlen = T
+        from loom.models.attention import TokenLayout
+
+        segments = min(cfg.train.global_batch_size + 1, length // multiple)
+        batch.layout = TokenLayout.from_lengths(batch.layout.cu_seqlens.diff().tolist(), backend=backend,
+                                                segments=segments, max_seqlen=length)
+    return batch
+
+
+def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple: int
+            ) -> tuple[list[Sample], list[int], int]:
+    """With data.too_long = "skip": the samples whose padded length fits a microbatch, their dataset indices,
+    and how many were dropped (the reference drops the same ones). Otherwise all of them."""
+    budget = cfg.data.tokens_per_microbatch
+    if not budget or cfg.data.too_long != "skip":
+        return samples, indices, 0
+    keep = [i for i, s in enumerate(samples) if round_up(len(s), multiple) <= budget]
+    return [samples[i] for i in keep], [indices[i] for i in keep], len(samples) - len(keep)
+
+
+def split_llm(n_samples: int, tokens: list[int], rows: dict[str, list[int]], dp: int, cfg: JobConfig,
+              indices: list[int]) -> list[list[list[int]]]:
+    """[microbatch][LLM replica] → global-batch positions, ascending."""
+    m, budget = cfg.train.microbatches, cfg.data.tokens_per_microbatch
+    if budget:
+        bins = assign_bins(tokens, rows, dp, m, budget, indices)
+        return [[bins[r * m + k] for r in range(dp)] for k in range(m)]
+    size = n_samples // (dp * m)  # validated: the global batch divides into dp · M equal shares
+    return [[list(range((r * m + k) * size, (r * m + k + 1) * size)) for r in range(dp)] for k in range(m)]
+
+
+def split_encoder(llm_parts: list[list[int]], rows: list[int], dp: int) -> list[list[int]]:
+    """One microbatch's positions per encoder replica, from the LLM replicas' (see the module docstring)."""
+    llm_dp = len(llm_parts)
+    if dp == llm_dp:
+        return llm_parts
+    if dp < llm_dp:  # fan-out: an encoder replica serves k consecutive LLM replicas
+        k = llm_dp // dp
+        return [[p for r in range(e * k, (e + 1) * k) for p in llm_parts[r]] for e in range(dp)]
+    k = dp // llm_dp  # fan-in: k encoder replicas share one LLM replica's samples, contiguously
+    return [part for positions in llm_parts for part in balanced_runs(positions, rows, k)]
+
+
+def balanced_runs(positions: list[int], rows: list[int], k: int) -> list[list[int]]:
+    """`positions` cut into k contiguous runs of nearly equal rows (a run may be empty): each sample goes to
+    the run its rows' midpoint falls in; without rows, by count."""
+    total, runs, acc = sum(rows[p] for p in positions), [[] for _ in range(k)], 0
+    for i, p in enumerate(positions):
+        run = int(k * (acc + rows[p] / 2) / total) if total else i * k // len(positions)
+        runs[min(run, k - 1)].append(p)
+        acc += rows[p]
+    return runs
+
+
+def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: ByteTokenizer,
+                counters: dict[str, TokenCounter], shares: dict[str, tuple[int, int]], multiple: int,
+                device: torch.device) -> StepInputs:
+    """This rank's microbatches of global batch `samples`; `shares`: module → (its dp rank, its dp size)."""
+    rows = {n: [sum(c(item) for item in s.items(n)) for s in samples] for n, c in counters.items()}
+    tokens = [round_up(len(s), multiple) for s in samples]
+    llm_rank, llm_dp = shares["language"]
+    parts = split_llm(len(samples), tokens, rows, llm_dp, cfg, indices)
+    budget = cfg.data.tokens_per_microbatch or None
+    micro, real = [], 0
+    for llm_parts in parts:
+        mine = [samples[p] for p in llm_parts[llm_rank]]
+        real += sum(len(s) for s in mine)
+        items, counts = {}, {}
+        for name in counters:
+            enc_rank, enc_dp = shares[name]
+            enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
+            items[name] = [it.to(device) for p in enc_parts[enc_rank] for it in samples[p].items(name)]
+            counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
+                                       [sum(rows[name][p] for p in ps) for ps in llm_parts])
+        micro.append(StepBatch(collate(mine, cfg, tok, multiple, budget).to(device), items, counts))
+    stats = {}
+    if budget:
+        bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
+        stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), budget).as_dict()
+    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats)

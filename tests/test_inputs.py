@@ -1,0 +1,93 @@
+"""A step's microbatches from host data: every sample once per module, fixed token counts, encoder parts
+that the bridge can concatenate (fan-in) or narrow (fan-out), and the reference's token count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
+
+from loom.config import load_config
+from loom.data.batch import IGNORE_INDEX
+from loom.train.inputs import balanced_runs, collate, plan_inputs, split_encoder
+
+
+def _cfg(*extra: str):
+    return load_config(None, [*TINY_MODEL_OVERRIDES, "--data.train_size=64", *extra])
+
+
+@pytest.fixture
+def batch16(tiny_model, tok):
+    g = torch.Generator().manual_seed(3)
+    return [make_sample(MIXED_SPECS[i % len(MIXED_SPECS)], tiny_model, tok, g) for i in range(16)]
+
+
+def _plans(samples, cfg, tok, model, shares_of):
+    counters = {n: model.encoder(n).num_tokens for n in model.encoder_names}
+    return [plan_inputs(samples, list(range(100, 100 + len(samples))), cfg, tok, counters, shares, 1, torch.device("cpu"))
+            for shares in shares_of]
+
+
+def _key(tokens: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tokens.tolist())
+
+
+@pytest.mark.parametrize("m,budget", [(1, 0), (2, 0), (2, 256), (4, 256)])
+def test_every_sample_once_and_the_global_token_count(batch16, tiny_model, tok, m, budget):
+    cfg = _cfg(f"--train.microbatches={m}", f"--data.tokens_per_microbatch={budget}", "--train.global_batch_size=16")
+    dp = 2
+    plans = _plans(batch16, cfg, tok, tiny_model, [{"language": (r, dp), "vision": (r, dp), "audio": (r, dp)}
+                                                    for r in range(dp)])
+    reference = collate(batch16, cfg, tok)
+    for p in plans:
+        assert p.supervised == reference.num_supervised  # every rank knows the global count, no collective
+        assert len(p.microbatches) == m
+        if budget:
+            assert all(mb.llm.input_ids.numel() == budget for mb in p.microbatches)  # fixed shapes
+    supervised = sum(int((mb.llm.labels != IGNORE_INDEX).sum()) for p in plans for mb in p.microbatches)
+    assert supervised == reference.num_supervised
+    real = sum(p.tokens for p in plans)
+    assert real == sum(len(s) for s in batch16)
+    images = sorted(_key(x.flatten()[:8]) for p in plans for mb in p.microbatches for x in mb.encoder_items["vision"])
+    assert images == sorted(_key(x.flatten()[:8]) for s in batch16 for x in s.images)
+
+
+def test_fan_in_parts_are_contiguous_and_row_balanced():
+    rows = [5, 1, 1, 1, 1, 1, 0, 6]
+    assert balanced_runs([0, 1, 2, 3, 4, 5, 6, 7], rows, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 8 | 8 rows
+    assert balanced_runs([0, 1], rows, 4) == [[], [0], [], [1]]  # runs may be empty, order kept
+    llm = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    parts = split_encoder(llm, rows, 4)  # fan-in: each LLM replica's samples split over 2 encoder replicas
+    assert [p for part in parts for p in part] == [0, 1, 2, 3, 4, 5, 6, 7] and len(parts) == 4
+    assert split_encoder(llm, rows, 1) == [[0, 1, 2, 3, 4, 5, 6, 7]]  # fan-out: one replica serves both
+    assert split_encoder(llm, rows, 2) == llm
+
+
+def test_bridge_row_counts_agree_on_both_sides(batch16, tiny_model, tok):
+    cfg = _cfg("--train.microbatches=2", "--data.tokens_per_microbatch=256", "--train.global_batch_size=16")
+    shares = [{"language": (r, 2), "vision": (e, 4), "audio": (r // 2, 1)} for r in range(2) for e in (2 * r, 2 * r + 1)]
+    plans = _plans(batch16, cfg, tok, tiny_model, shares)
+    for k in range(2):
+        for name, dp in (("vision", 4), ("audio", 1)):
+            counts = plans[0].microbatches[k].rows[name]
+            assert all(p.microbatches[k].rows[name] == counts for p in plans)  # every rank, the same plan
+            assert len(counts.encoder) == dp and len(counts.llm) == 2 and sum(counts.encoder) == sum(counts.llm)
+            for p, share in zip(plans, shares):
+                held = sum(tiny_model.encoder(name).num_tokens(x) for x in p.microbatches[k].encoder_items[name])
+                assert held == counts.encoder[share[name][0]]
+
+
+def test_a_sample_longer_than_the_budget_names_its_index(batch16, tiny_model, tok):
+    cfg = _cfg("--data.tokens_per_microbatch=16", "--train.global_batch_size=16")
+    with pytest.raises(ValueError, match=r"sample 10\d of the dataset.*data.tokens_per_microbatch"):
+        _plans(batch16, cfg, tok, tiny_model, [{"language": (0, 1), "vision": (0, 1), "audio": (0, 1)}])
+
+
+def test_too_long_samples_are_skipped_when_asked(batch16, tok):
+    from loom.train.inputs import fitting
+
+    cfg = _cfg("--data.tokens_per_microbatch=16", "--data.too_long=skip")
+    kept, indices, skipped = fitting(batch16, list(range(16)), cfg, multiple=4)
+    assert [len(s) for s in kept] == [len(s) for s in batch16 if -(-len(s) // 4) * 4 <= 16]
+    assert skipped == 16 - len(kept) > 0 and indices == [i for i, s in enumerate(batch16) if s in kept]
+    assert fitting(batch16, list(range(16)), _cfg("--data.tokens_per_microbatch=16"), 4)[2] == 0  # "error" keeps all
