@@ -91,3 +91,34 @@ def test_too_long_samples_are_skipped_when_asked(batch16, tok):
     assert [len(s) for s in kept] == [len(s) for s in batch16 if -(-len(s) // 4) * 4 <= 16]
     assert skipped == 16 - len(kept) > 0 and indices == [i for i, s in enumerate(batch16) if s in kept]
     assert fitting(batch16, list(range(16)), _cfg("--data.tokens_per_microbatch=16"), 4)[2] == 0  # "error" keeps all
+
+
+def test_the_longest_builtin_sample_bounds_every_drawn_one(tok):
+    from loom.data.format import to_sample
+    from loom.train.build import build_datasets, build_job_model, longest_samples, token_counters
+
+    cfg = _cfg("--data.train_size=600")
+    counters = token_counters(build_job_model(cfg, tok))
+    longest = longest_samples(cfg, tok, counters)
+    train, _ = build_datasets(cfg)
+    drawn = {}
+    for i in range(len(train)):
+        ex = train[i]
+        drawn[ex.task] = max(drawn.get(ex.task, 0), len(to_sample(ex, tok, counters)))
+    for task, n in drawn.items():
+        assert n <= longest[f"task {task!r}"], task
+        assert n >= 0.9 * longest[f"task {task!r}"], task  # a bound, but not a loose one
+
+
+def test_a_budget_below_the_longest_sample_fails_before_training(tmp_path):
+    from conftest import tiny_job_overrides
+
+    import loom.cli
+
+    args = ["train", "configs/tiny.toml", *tiny_job_overrides(tmp_path), "--data.tokens_per_microbatch=32"]
+    with pytest.raises(Exception, match=r"task 'shapes' samples reach \d+ tokens.*data.too_long"):
+        from loom.config import load_config
+        from loom.train.trainer import Trainer
+
+        Trainer(load_config(args[1], args[2:]))
+    assert loom.cli.main(args) == 2  # the CLI says so as a config error, before any step

@@ -221,6 +221,19 @@ def make_example(task: str, split: str, index: int, *, seed: int, patch_size: in
     return _make_tones(rng, n_audio_features)
 
 
+def longest_example(task: str, patch_size: int, n_audio_features: int) -> Example:
+    """The largest example `task` can emit (its largest image or longest clip, its longest answer), so the
+    longest sample is known before any data is drawn."""
+    _check(task, "train")
+    if task in ("digits", "shapes"):
+        side = max(DIGIT_SIDE_MULTIPLES if task == "digits" else SHAPE_SIDE_MULTIPLES) * patch_size
+        words = DIGIT_WORDS if task == "digits" else [f"{c} {s}" for c in COLOUR_NAMES for s in SHAPE_NAMES]
+        return Example(task, PROMPTS[task], max(words, key=len), images=[torch.zeros(3, side, side)])
+    seconds = 2 * EDGE_SECONDS[1] + 3 * TONE_SECONDS[1] + 2 * GAP_SECONDS[1]  # three tones, widest gaps
+    clip = log_mel(torch.zeros(int(seconds * SAMPLE_RATE) + 1), n_audio_features)
+    return Example(task, PROMPTS[task], " ".join([max(TONE_NAMES, key=len)] * 3), audio=[clip])
+
+
 class TaskDataset:
     """A finite, indexable mix of tasks: item i is example i // len(tasks) of task tasks[i % len(tasks)]."""
 

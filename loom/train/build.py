@@ -14,7 +14,7 @@ from loom.config import ConfigError, JobConfig
 from loom.data.format import TokenCounter, to_sample
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
-from loom.data.tasks import TaskDataset
+from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer
 from loom.models.hf import make_module
 from loom.models.multimodal import MultimodalModel, build_model
@@ -23,7 +23,7 @@ from loom.parallel.checkpointing import checkpoint_blocks
 from loom.parallel.compile import compile_blocks
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
-from loom.train.inputs import StepInputs, fitting, plan_inputs
+from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
 from loom.train.optim import freeze_modules
 from loom.train.step import StepComms
 
@@ -62,6 +62,12 @@ def build_datasets(cfg: JobConfig) -> tuple[TaskDataset, TaskDataset]:
         TaskDataset(d.tasks, "train", d.train_size, seed=d.seed, **sizes),
         TaskDataset(d.tasks, "heldout", d.heldout_size, seed=d.seed, **sizes),
     )
+
+
+def longest_samples(cfg: JobConfig, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> dict[str, int]:
+    """Each built-in task's longest sample in tokens (known without drawing any data)."""
+    sizes = dict(patch_size=cfg.model.vision.patch_size, n_audio_features=cfg.model.audio.num_features)
+    return {f"task {t!r}": len(to_sample(longest_example(t, **sizes), tok, counters)) for t in cfg.data.tasks}
 
 
 def build_batches(cfg: JobConfig, train_set: TaskDataset, tok: ByteTokenizer, counters) -> GlobalBatches[Sample]:
@@ -118,6 +124,11 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
     lay = lang.layout
     comms = StepComms(lang.group("dp", "cp"), loss_parallel=lay.tp > 1, cp_group=lang.group("cp") if lay.cp > 1 else None)
     return RankPlan(topo, comms, shares, sample_multiple(lay, cfg), bridges)
+
+
+def check_data(cfg: JobConfig, plan: RankPlan, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> None:
+    """Data problems found before the first step, on every rank alike."""
+    check_longest(cfg, longest_samples(cfg, tok, counters), plan.sample_multiple)
 
 
 def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: ByteTokenizer,

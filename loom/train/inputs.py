@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.bridge.colocated import ReplicaRows
-from loom.config import JobConfig
+from loom.config import ConfigError, JobConfig
 from loom.data.batch import Batch, pad_samples, round_up, supervised_count
 from loom.data.bins import assign_bins, bin_stats
 from loom.data.format import TokenCounter
@@ -86,6 +86,20 @@ def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple:
         return samples, indices, 0
     keep = [i for i, s in enumerate(samples) if round_up(len(s), multiple) <= budget]
     return [samples[i] for i in keep], [indices[i] for i in keep], len(samples) - len(keep)
+
+
+def check_longest(cfg: JobConfig, longest: dict[str, int], multiple: int) -> None:
+    """Before training: a data source whose longest sample (padded) exceeds T is an error now, unless
+    data.too_long = "skip" — not at the step that draws it. `longest`: source → its longest sample."""
+    budget = cfg.data.tokens_per_microbatch
+    if not budget or cfg.data.too_long == "skip":
+        return
+    for source, n in longest.items():
+        if round_up(n, multiple) > budget:
+            raise ConfigError(
+                f"data.tokens_per_microbatch = {budget}, but {source} samples reach {n} tokens (padded to a "
+                f"multiple of {multiple}: {round_up(n, multiple)}); raise data.tokens_per_microbatch to at least "
+                f"{round_up(n, multiple)}, or set data.too_long = \"skip\" to drop such samples")
 
 
 def split_llm(n_samples: int, tokens: list[int], rows: dict[str, list[int]], dp: int, cfg: JobConfig,

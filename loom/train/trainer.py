@@ -17,6 +17,7 @@ from loom.train.build import (
     build_batches,
     build_datasets,
     build_job_model,
+    check_data,
     resolve_device,
     setup_parallel,
     step_inputs,
@@ -46,6 +47,7 @@ class Trainer:
         self.counters = token_counters(self.model)
         self.weight_names = set(unique_state_dict(self.model))
         self.plan = setup_parallel(self.model, cfg, self.device)
+        check_data(cfg, self.plan, self.tok, self.counters)
         if self.plan.distributed and cfg.run.resume:
             raise NotImplementedError("run.resume under torchrun is not supported yet; resume on one process")
         self.optimizer = ModuleOptimizers(self.model, [*self.model.encoder_names, "language"], cfg.train)

@@ -24,6 +24,7 @@ from loom.train.build import (
     build_batches,
     build_datasets,
     build_job_model,
+    check_data,
     resolve_device,
     setup_parallel,
     step_inputs,
@@ -81,6 +82,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     reference = copy.deepcopy(model)  # same weights, never parallelised or compiled, fp32
     counters = token_counters(reference)
     plan = setup_parallel(model, checked, device)
+    check_data(cfg, plan, tok, counters)
     modules = [*model.encoder_names, "language"]
     optimizer, ref_optimizer = ModuleOptimizers(model, modules, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
     batches = build_batches(cfg, build_datasets(cfg)[0], tok, counters)
