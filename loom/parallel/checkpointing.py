@@ -15,9 +15,9 @@ re-issues its K/V all-gathers in the recomputation; every cp rank runs the same 
 order, so they stay matched.
 
 "selective" with `train.compile` is rejected by config validation: the policy runs as a TorchDispatchMode,
-under which torch.compile does not trace (and cached compiled code does not replay its ops), and compiling
-around the checkpoint needs a block without graph breaks, which loom's per-sample CPU/fp32 attention and CP
-attention are.
+under which torch.compile does not trace (the recomputation then fails against the compiled forward), and
+compiling around the checkpoint (torchtitan's order) needs a block without graph breaks: loom's per-sample
+CPU/fp32 attention and CP attention break it, and dynamo then runs the whole block eagerly.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ SAVED_OPS = frozenset({
 
 def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     # a pure function of the op: the forward and the recomputation must take the same decisions
-    return CheckpointPolicy.PREFER_RECOMPUTE  # BROKEN ON PURPOSE
+    return CheckpointPolicy.MUST_SAVE if func._schema.name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts():
@@ -84,9 +84,10 @@ def checkpoint_blocks(model: nn.Module, modules: list[str], mode: str, compiled:
     if mode == "selective" and compiled:
         raise ValueError("selective activation checkpointing does not compose with train.compile (see module doc)")
     if compiled:
-        # dynamo tries the most recently used compiled graph first; the recomputation may then pick another
-        # variant of the block (e.g. dynamic vs static sizes) that saves other tensors, which checkpoint
-        # rejects (pytorch#166926). Insertion order makes it select the forward's graph again.
+        # dynamo tries the most recently used compiled graph first, so the recomputation may pick another
+        # variant of the block than its forward did (e.g. the encoders share the block code at other sizes),
+        # one that saves other tensors, which checkpoint rejects (pytorch#166926; torchtitan does the same).
+        # In insertion order the first variant whose guards pass is the forward's again.
         torch._C._dynamo.eval_frame._set_lru_cache(False)
     for name in modules:
         for block in transformer_blocks(name, model.get_submodule(name)):
