@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.bridge.colocated import ColocatedBridge
+from loom.bridge.colocated import ColocatedBridge, ReplicaRows
 from loom.config import load_config
 from loom.topology import Topology
 
@@ -31,14 +31,15 @@ def _bridge(overrides: list[str]) -> dict:
     cfg = load_config(None, overrides + [f"--train.global_batch_size={B}"], world_size=dist.get_world_size())
     topo = Topology.build(cfg)
     vision, lang = topo.grids["vision"], topo.grids["language"]
-    bridge = ColocatedBridge(vision, lang, B, debug_checks=True)
+    bridge = ColocatedBridge(vision, lang, debug_checks=True)
     me = dist.get_rank()
     e, de = vision.coord(me)["dp"], vision.layout.dp
     l, dl = lang.coord(me)["dp"], lang.layout.dp
     enc_samples = range(e * B // de, (e + 1) * B // de)
     llm_samples = range(l * B // dl, (l + 1) * B // dl)
     x = rows_of(enc_samples).requires_grad_(True)
-    out = bridge(x, [ROWS[i] for i in enc_samples], [ROWS[i] for i in llm_samples])
+    share = lambda r, n: sum(ROWS[r * B // n : (r + 1) * B // n])  # noqa: E731 - rows of replica r of n
+    out = bridge(x, ReplicaRows([share(r, de) for r in range(de)], [share(r, dl) for r in range(dl)]))
     # a known gradient: the same on every rank of an LLM replica (as the LLM's replicated input grad is)
     grad = -rows_of(llm_samples)
     out.backward(grad)
@@ -85,10 +86,10 @@ def _replication_check_catches_divergence() -> str:
     cfg = load_config(None, ["--layout.vision.tp=2", "--layout.language.tp=2", f"--train.global_batch_size={B}"],
                       world_size=dist.get_world_size())
     topo = Topology.build(cfg)
-    bridge = ColocatedBridge(topo.grids["vision"], topo.grids["language"], B, debug_checks=True)
+    bridge = ColocatedBridge(topo.grids["vision"], topo.grids["language"], debug_checks=True)
     x = torch.ones(2, H) * (1 + dist.get_rank())  # tp ranks of one replica disagree
     try:
-        bridge(x, [1, 1], [1, 1, 1, 1])
+        bridge(x, ReplicaRows([2, 2], [2, 2]))
     except RuntimeError as e:
         return str(e)
     return ""
