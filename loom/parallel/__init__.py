@@ -1,4 +1,10 @@
-"""Applies each module's layout to the model from outside: tensor/sequence parallel first, then FSDP2."""
+"""Applies each module's layout to the model from outside: tensor/sequence parallel first, then FSDP2.
+
+Before this, on every run (one process too), train/build.py `setup_parallel` compiles each block's forward
+(compile.py) and wraps it in activation checkpointing (checkpointing.py); both replace `forward` in place,
+so the TP and FSDP2 hooks added here run around the checkpointed (compiled) body, and FSDP2 re-gathers a
+block's weights before its recomputation in backward.
+"""
 
 from __future__ import annotations
 
