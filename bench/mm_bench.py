@@ -10,7 +10,9 @@ SigLIP-so400m-shaped ViT (patch 14), a small Whisper-shaped audio encoder; image
 64–1024 tokens, audio on one sample in four; three samples per GPU per step for every 4096 tokens of
 `--seq`, packed into one sequence of `--seq` tokens per GPU.
 Prints one JSON line (rank 0): real LLM tokens/s per GPU, TFLOP/s per GPU and MFU (bench/flops.py, against
-an 8192³ bf16 matmul measured in the same run), peak memory, step time, padding fraction.
+an 8192³ bf16 matmul measured in the same run), peak memory, step time, padding fraction, and `recompiles`:
+frames torch.compile compiled after the first step (0 with fixed shapes: `--set train.compile=true --set
+data.tokens_per_microbatch=SEQ`).
 `--small` shrinks everything for a CPU smoke run (CI runs it).
 """
 
@@ -30,6 +32,7 @@ from bench.flops import step_flops
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.config import load_config
 from loom.distributed import init_distributed, shutdown
+from loom.parallel.compile import compiled_frames
 
 LLM = ["--model.language.hidden_size=1536", "--model.language.num_layers=28", "--model.language.num_heads=12",
        "--model.language.num_kv_heads=2", "--model.language.intermediate_size=8960",
@@ -121,6 +124,8 @@ def main() -> None:
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+        if step == 0:
+            first_frames = compiled_frames()
     if profiler is not None:
         profiler.__exit__(None, None, None)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -130,6 +135,7 @@ def main() -> None:
     real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
     flops = sum(contender.flops(s) for s in measured) / len(measured)
     tflops = flops / step_s / world / 1e12
+    recompiles = max_over_ranks(compiled_frames() - first_frames, device)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({
             "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
@@ -142,8 +148,17 @@ def main() -> None:
             "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
             "padding_fraction": round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
+            "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
         }))
     shutdown()
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one rank's recompile stalls every rank under FSDP
+    return int(t)
 
 
 def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:

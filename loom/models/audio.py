@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.models.encoder_layer import EncoderLayer, run_packed
+from loom.models.encoder_layer import EncoderLayer, RowBudget, run_packed
 
 
 @dataclass
@@ -47,6 +47,7 @@ class AudioEncoder(nn.Module):
             for _ in range(cfg.num_layers)
         )
         self.layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.row_budget: RowBudget | None = None  # fixed layer shapes under compile (parallel/compile.py)
 
     @property
     def out_dim(self) -> int:
@@ -65,7 +66,8 @@ class AudioEncoder(nn.Module):
         frames = _conv_frames([c.to(dtype) for c in clips], self.conv1)
         frames = _conv_frames([F.gelu(x).T for x in frames], self.conv2)
         pieces = [self._add_positions(F.gelu(x)) for x in frames]
-        return self.layer_norm(run_packed(torch.cat(pieces), [x.shape[0] for x in pieces], self.layers))
+        h = run_packed(torch.cat(pieces), [x.shape[0] for x in pieces], self.layers, self.row_budget)
+        return self.layer_norm(h)
 
     def _add_positions(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.cfg.max_positions:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -41,17 +44,42 @@ class EncoderLayer(nn.Module):
 # the packed stream is rounded up to this many rows with a filler item (attending only to itself, dropped
 # after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
 ROW_MULTIPLE = 64
+# under a fixed budget the filler is cut into items of at most this many rows: its attention stays ~linear
+FILL_ITEM = 128
+_warned: set[RowBudget] = set()
 
 
-def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowBudget:
+    """Fixed shapes for compiled encoder layers (train.compile with a token budget): every call's packed rows
+    are padded to `rows` and its items to `items` segments, so the layers never see a new shape."""
+
+    rows: int
+    items: int
+
+    @property
+    def segments(self) -> int:
+        return self.items + -(-self.rows // FILL_ITEM)
+
+
+def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList, budget: RowBudget | None = None
+               ) -> torch.Tensor:
     """Runs the layers over items packed one after another in `h` ([sum of lengths, dim]); attention stays
     inside each item (one packed segment per image or clip), so no item is padded to the largest."""
     rows = h.shape[0]
-    fill = -rows % ROW_MULTIPLE
+    fits = budget is not None and rows <= budget.rows and len(lengths) <= budget.items
+    if budget is not None and not fits and budget not in _warned:
+        _warned.add(budget)
+        warnings.warn(f"encoder microbatch of {rows} rows in {len(lengths)} items exceeds its fixed budget "
+                      f"({budget.rows} rows, {budget.items} items): rounded up to {ROW_MULTIPLE} rows instead, "
+                      "a new shape that compiles again; raise data.encoder_rows_per_microbatch", stacklevel=2)
+    fill = budget.rows - rows if fits else -rows % ROW_MULTIPLE
     if fill:
         h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
-        lengths = [*lengths, fill]
-    layout = TokenLayout.from_lengths(lengths, device=h.device)
+        step = FILL_ITEM if fits else fill
+        lengths = [*lengths, *(min(step, fill - i) for i in range(0, fill, step))]
+    layout = TokenLayout.from_lengths(lengths, device=h.device, segments=budget.segments if fits else 0,
+                                      max_seqlen=budget.rows if fits else 0)
     for layer in layers:
         h = layer(h, layout)
     return h[:rows]

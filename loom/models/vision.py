@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.models.encoder_layer import EncoderLayer, run_packed
+from loom.models.encoder_layer import EncoderLayer, RowBudget, run_packed
 
 
 @dataclass
@@ -41,6 +41,7 @@ class VisionEncoder(nn.Module):
             for _ in range(cfg.num_layers)
         )
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.row_budget: RowBudget | None = None  # fixed layer shapes under compile (parallel/compile.py)
 
     @property
     def out_dim(self) -> int:
@@ -62,8 +63,9 @@ class VisionEncoder(nn.Module):
         # the stride-p convolution as one matmul over every image's patches: no per-size cuDNN plan per image
         patches = torch.cat([_patchify(img, p, h, w) for img, (h, w) in zip(images, grids)])
         x = F.linear(patches.to(conv.weight.dtype), conv.weight.flatten(1), conv.bias)
-        x = x + torch.cat([self._positions(h, w) for h, w in grids])
-        return self.post_layernorm(run_packed(x, [h * w for h, w in grids], self.layers))
+        # in x's dtype: a grid-sized image's table is fp32 under autocast, and the layers' input dtype must not vary
+        x = x + torch.cat([self._positions(h, w) for h, w in grids]).to(x.dtype)
+        return self.post_layernorm(run_packed(x, [h * w for h, w in grids], self.layers, self.row_budget))
 
     def _positions(self, h: int, w: int) -> torch.Tensor:
         g = self.cfg.position_grid

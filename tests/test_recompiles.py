@@ -1,0 +1,99 @@
+"""torch.compile without recompiles: with a token budget (`data.tokens_per_microbatch`) every shape and
+constant a compiled block or the loss sees is fixed, so a compiled run compiles nothing after its first step,
+although its microbatches differ in sample count, lengths and encoder items.
+
+What recompiles is decided by dynamo's guards, whatever the backend; these runs use "aot_eager" (dynamo +
+AOTAutograd, no inductor code generation) to keep CPU time low. bench/mm_bench.py reports the same count
+(`recompiles`) for the real backend on GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from conftest import tiny_job_overrides
+
+# B = 5 samples in 2 microbatches of 256 tokens: bins of 1–3 samples, 0–3 images and 0–2 clips each
+FIXED = ["--train.compile=true", "--train.global_batch_size=5", "--train.microbatches=2",
+         "--data.tokens_per_microbatch=256"]
+STEPS = 5
+
+
+@contextlib.contextmanager
+def cheap_backend_and_recompile_log():
+    """aot_eager for the blocks and the loss, and dynamo's recompile reasons collected; undone afterwards
+    (test worlds are reused)."""
+    import loom.parallel.compile as compile_mod
+    import loom.train.build as build
+    import loom.train.loss as loss
+
+    saved = build.compile_blocks, loss.compiled_token_loss_sum
+    build.compile_blocks = functools.partial(compile_mod.compile_blocks, backend="aot_eager")
+    loss.compiled_token_loss_sum = torch.compile(loss.token_loss_sum, backend="aot_eager")
+    reasons: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reasons.append(" | ".join(record.getMessage().splitlines()[:3]))
+    guards = logging.getLogger("torch._dynamo.guards")
+    torch._dynamo.reset()  # nothing compiled by an earlier test counts or serves this run
+    torch._logging.set_logs(recompiles=True)
+    guards.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        guards.removeHandler(handler)
+        torch._logging.set_logs()
+        build.compile_blocks, loss.compiled_token_loss_sum = saved
+
+
+def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict:
+    """`steps` compiled training steps of the tiny model; what compiled after the first, and what the
+    microbatches held (real samples per LLM microbatch, items per encoder call)."""
+    from loom.config import load_config
+    from loom.parallel.compile import compiled_frames
+    from loom.train.build import step_inputs
+    from loom.train.trainer import Trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else None
+    with cheap_backend_and_recompile_log() as reasons:
+        cfg = load_config(None, tiny_job_overrides(out_dir, *overrides), world_size=world)
+        trainer = Trainer(cfg)
+        shapes, first, logged = [], 0, 0
+        for step in range(steps):
+            inputs = step_inputs(trainer.batches, step, trainer.plan, cfg, trainer.tok, trainer.counters,
+                                 trainer.device)
+            for m in inputs.microbatches:
+                lengths = [n for n in m.llm.layout.cu_seqlens.diff().tolist() if n]
+                shapes.append((len(lengths), *(len(items) for items in m.encoder_items.values())))
+            loss = trainer.train_step().loss
+            if step == 0:
+                first, logged = compiled_frames(), len(reasons)
+        return {"recompiles": compiled_frames() - first, "reasons": reasons[logged:], "shapes": shapes,
+                "first_step_frames": first, "loss": loss}
+
+
+def check_fixed(result: dict) -> None:
+    assert result["first_step_frames"] > 0, "nothing was compiled: the test would prove nothing"
+    assert result["recompiles"] == 0 and not result["reasons"], result["reasons"]
+    for column in zip(*result["shapes"]):  # segments, vision items, audio items: each took several values
+        assert len(set(column)) > 1, result["shapes"]
+
+
+def test_fixed_shapes_compile_nothing_after_the_first_step(tmp_path):
+    check_fixed(compiled_run(str(tmp_path), FIXED))
+
+
+def test_without_a_token_budget_the_count_sees_recompiles(tmp_path):
+    """The control: the same run with packed lengths rounded to 64 instead of T recompiles, so the counter
+    (frames dynamo compiled) does see what the fixed run avoids."""
+    result = compiled_run(str(tmp_path), ["--train.compile=true", "--train.global_batch_size=5"])
+    assert result["recompiles"] > 0 and result["reasons"]
+
+
+def test_fixed_shapes_on_two_ranks(worlds, tmp_path):
+    """dp 2 under FSDP2: each rank gets its own bins, and neither compiles after the first step."""
+    for result in worlds.run(2, compiled_run, str(tmp_path), FIXED, timeout=900):
+        check_fixed(result)
