@@ -1,4 +1,5 @@
-"""The GPU benchmarks' small CPU form, so they cannot rot: run as a user would, through torchrun."""
+"""The GPU benchmarks' small CPU form, so they cannot rot: run as a user would, through torchrun; and their
+FLOP and token accounting against numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -6,6 +7,15 @@ import json
 import os
 import subprocess
 import sys
+
+import torch
+import torch.nn as nn
+
+from bench.flops import attention_flops, matmul_params, step_flops
+from bench.mm_bench import flops_of
+from bench.workload import SMALL, PackedSteps
+from loom.config import load_config
+from loom.data.sample import Sample
 
 
 def test_cp_long_small_runs_on_two_cpu_ranks():
@@ -18,6 +28,39 @@ def test_cp_long_small_runs_on_two_cpu_ranks():
     result = json.loads(line)
     assert result["cp"] == 2 and result["dp"] == 1 and result["tokens_per_s_per_gpu"] > 0
     assert result["loss"] > 0
+
+
+def test_flops_by_hand():
+    layers = nn.Sequential(nn.Linear(3, 5), nn.Conv2d(2, 4, 3), nn.Conv1d(4, 6, 3), nn.Embedding(10, 7),
+                           nn.LayerNorm(5))
+    assert matmul_params(layers) == 3 * 5 + 4 * 2 * 3 * 3 + 6 * 4 * 3  # weights only: no bias, embedding, norm
+    # samples of 3 and 5 tokens, 2 layers of width 8; training is 3× the forward's 2·L²·d (causal) or 4·L²·d
+    assert attention_flops([3, 5], 2, 8, causal=True) == 3 * 2 * 2 * 8 * (3 * 3 + 5 * 5) == 3264
+    assert attention_flops([3, 5], 2, 8, causal=False) == 3 * 4 * 2 * 8 * (3 * 3 + 5 * 5) == 6528
+    llm = 6 * 100 * (3 + 5) + 3264  # 100 matmul params; 6 FLOPs per param per token
+    encoder = 6 * 50 * (2 + 2) + 3 * 4 * 1 * 4 * (2 * 2 + 2 * 2)  # 50 params, 1 layer of width 4, items of 2 tokens
+    assert step_flops(100, 2, 8, [3, 5], [(50, 1, 4, [2, 2])]) == llm + encoder == 9648
+
+
+def test_flops_of_samples_counts_patches_and_audio_frames():
+    spec = {"patch": 4, "llm": (100, 2, 8), "vision": (50, 1, 4), "audio": (30, 3, 6), "llm_length": len}
+    samples = [Sample([0] * 10, [False] * 10, [torch.zeros(3, 8, 12)], [torch.zeros(16, 7)]),
+               Sample([0] * 5, [False] * 5, [torch.zeros(3, 4, 4)], [])]
+    # (8/4)·(12/4) = 6 and 1 patches; 7 mel frames → (7 + 1) // 2 = 4 tokens after the stride-2 conv
+    assert flops_of(samples, spec) == step_flops(100, 2, 8, [10, 5], [(50, 1, 4, [6, 1]), (30, 3, 6, [4])])
+    # a fixed resize (the HF contender's) gives every image the same patch count
+    fixed = {**spec, "patches_per_image": 64}
+    assert flops_of(samples, fixed) == step_flops(100, 2, 8, [10, 5], [(50, 1, 4, [64, 64]), (30, 3, 6, [4])])
+
+
+def test_workload_samples_are_prompt_plus_text_and_fit_the_sequence():
+    steps = PackedSteps(SMALL, replicas=2, per_replica=3, seq=300)
+    batch = steps.global_batch(0)
+    assert len(batch) == 6 and any(s.audio for s in steps.global_batch(1) + batch)
+    for s in batch:
+        (h, w), clips = s.images[0].shape[1:], [c.shape[1] for c in s.audio]
+        assert len(s) == 1 + (h // 4) * (w // 4) + sum((f + 1) // 2 for f in clips) + sum(s.supervised)
+    assert all(sum(map(len, batch[r * 3 : r * 3 + 3])) <= 300 for r in range(2))
 
 
 def test_multimodal_table_small_runs_every_contender(tmp_path):
@@ -35,7 +78,18 @@ def test_multimodal_table_small_runs_every_contender(tmp_path):
         ("loom", "homogeneous", "thd"), ("loom", "heterogeneous", "thd"), ("loom", "homogeneous", "bshd"),
         ("hf", "fsdp2", "bshd")}
     assert all(r["tokens_per_s_per_gpu"] > 0 and r["loss"] > 0 for r in rows)
-    padded = [r for r in rows if r["format"] == "bshd" and r["system"] == "loom"]
-    assert sorted(r["padding_fraction"] for r in padded)[0] < sorted(r["padding_fraction"] for r in padded)[1]
+    # 2 ranks, seq 256: max(1, 3·256 // 4096) = 1 sample per rank; warmup step 0, measured step 1
+    steps = PackedSteps(SMALL, replicas=2, per_replica=1, seq=256)
+    grid = load_config(None, []).model.vision.position_grid  # HF resizes every image to grid × grid patches
+    real = {"loom": sum(len(s) for s in steps.global_batch(1)),
+            "hf": sum(1 + grid * grid + sum(s.supervised) for s in steps.global_batch(1))}  # Llava drops the audio
+    for r in rows:  # tokens/s is real tokens over the median step; both rounded in the JSON line
+        tokens = r["tokens_per_s_per_gpu"] * r["step_s"] * r["gpus"]
+        assert abs(tokens - real[r["system"]]) <= 0.01 * real[r["system"]], r
+    loom = [r for r in rows if r["system"] == "loom"]
+    assert max(r["loss"] for r in loom) - min(r["loss"] for r in loom) <= 1e-3  # same model, samples, any layout
+    padded = {r["pad_to"]: r["padding_fraction"] for r in loom if r["format"] == "bshd"}
+    rank0 = [len(s) for step in (0, 1) for s in steps.shard(step, 0, 2)]  # rank 0 prints; one row per step
+    assert padded == {"longest": 0.0, "seq": round(1 - sum(rank0) / (2 * 256), 4)}
     table = subprocess.run([sys.executable, "-m", "bench.table", str(out)], capture_output=True, text=True, env=env)
     assert table.returncode == 0 and len(table.stdout.splitlines()) == 2 + len(rows)
