@@ -149,14 +149,16 @@ def main() -> None:
             "padding_fraction": round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
+            "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
+            "step_times": [round(t, 4) for t in times],  # every measured step: a median hides slow ones
         }))
     shutdown()
 
 
 def max_over_ranks(value: int, device: torch.device) -> int:
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([value], device=device if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor([value], device="cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one rank's recompile stalls every rank under FSDP
     return int(t)
 
