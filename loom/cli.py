@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loom: config error: {e}", file=sys.stderr)
         return 2
     if not launched and cfg.layout.world_size > 1:
-        return launch_local(cfg.layout.world_size, [args.command, config, *overrides])
+        flags = []
+        if args.command == "verify":  # the ranks parse the same verify flags
+            flags = [f"--steps={args.steps}", f"--against={args.against}"]
+            flags += [f"--tolerance={args.tolerance}"] if args.tolerance is not None else []
+        return launch_local(cfg.layout.world_size, [args.command, config, *flags, *overrides])
     return _run(args, cfg)
 
 

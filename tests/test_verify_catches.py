@@ -196,3 +196,11 @@ def test_a_non_finite_reference_stops_verify(capsys, monkeypatch):
     monkeypatch.setattr(step, "loss_function", lambda *a: lambda *b: loss(*a)(*b) * math.inf)
     assert loom.cli.main(["verify", "configs/tiny.toml", "--steps", "1", "--against", "bf16", *TINY]) == 1
     assert "reference's step 1 is not finite" in capsys.readouterr().err
+
+
+def test_a_multi_rank_config_started_without_a_launcher_passes_the_verify_flags_on(monkeypatch):
+    seen = []
+    monkeypatch.setattr(loom.cli, "launch_local", lambda n, args: seen.append((n, args)) or 0)
+    assert loom.cli.main(["verify", "--steps", "5", "--against", "compile", "--tolerance", "0.1"]) == 0
+    n, args = seen[0]
+    assert n == 4 and {"--steps=5", "--against=compile", "--tolerance=0.1"} <= set(args)
