@@ -69,6 +69,8 @@ LAYOUTS = {
     "mb4-bins-fan-in": (4, mb(4, 256) + FAN_IN),
     "mb2-bins-fan-out": (4, mb(2, 512) + ["--layout.vision.tp=4"]),
     "mb2-bins-cp2": (2, mb(2, 512) + ["--layout.language.cp=2"]),  # the sample multiple 4 is derived
+    "mb4-bins-fan-in-ac-full": (4, mb(4, 256) + FAN_IN + ["--train.activation_checkpointing=full"]),
+    "mb2-bins-cp2-ac-selective": (2, mb(2, 512) + ["--layout.language.cp=2", "--train.activation_checkpointing=selective"]),
     "mb4-bins-skip-too-long": (2, mb(4, 48) + ["--train.global_batch_size=8", "--data.too_long=skip"]),
     # bf16 compute (FSDP mixed precision) against the fp32 reference, at bf16's tolerances
     "bf16-dp2": (2, BF16),
