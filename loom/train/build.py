@@ -131,10 +131,17 @@ def check_data(cfg: JobConfig, plan: RankPlan, tok: ByteTokenizer, counters: dic
     check_longest(cfg, longest_samples(cfg, tok, counters), plan.sample_multiple)
 
 
+def global_batch(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, plan: RankPlan
+                 ) -> tuple[list[Sample], list[int], int]:
+    """Global batch `step` as every layout and the reference train on it: samples, dataset indices, and how
+    many were skipped as too long."""
+    return fitting(batches.shard(step), batches.indices(step), cfg, plan.sample_multiple)
+
+
 def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: ByteTokenizer,
                 counters: dict[str, TokenCounter], device: torch.device) -> StepInputs:
     """This rank's microbatches of global batch `step` (train/inputs.py)."""
-    samples, indices, skipped = fitting(batches.shard(step), batches.indices(step), cfg, plan.sample_multiple)
+    samples, indices, skipped = global_batch(batches, step, cfg, plan)
     inputs = plan_inputs(samples, indices, cfg, tok, counters, plan.shares, plan.sample_multiple, device)
     if skipped:
         inputs.stats["skipped_too_long"] = float(skipped)

@@ -65,7 +65,6 @@ class Agreement:
     sq: float = 0.0  # Σ x²
     ref_sq: float = 0.0  # Σ x_ref²
     diff_sq: float = 0.0  # Σ (x − x_ref)²
-    tensors: int = 0
 
     def add(self, x: torch.Tensor, ref: torch.Tensor) -> None:
         if ref.numel() == 0:
@@ -77,7 +76,6 @@ class Agreement:
         self.sq += float(x.square().sum())
         self.ref_sq += float(ref.square().sum())
         self.diff_sq += float(d.square().sum())
-        self.tensors += 1
 
     @property
     def max_relative(self) -> float:

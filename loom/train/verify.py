@@ -25,6 +25,7 @@ from loom.train.build import (
     build_datasets,
     build_job_model,
     check_data,
+    global_batch,
     resolve_device,
     setup_parallel,
     step_inputs,
@@ -32,7 +33,7 @@ from loom.train.build import (
 )
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.optim import ModuleOptimizers
-from loom.train.inputs import StepInputs, collate, fitting
+from loom.train.inputs import StepInputs, collate
 from loom.train.step import StepComms, train_step
 
 AGAINST = ("layout", "compile", "bf16")
@@ -92,8 +93,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     checks = []
     for step in range(steps):
         mine = step_inputs(batches, step, plan, checked, tok, counters, device)
-        kept = fitting(batches.shard(step), batches.indices(step), cfg, plan.sample_multiple)[0]
-        full = StepInputs.of(collate(kept, cfg, tok).to(device))  # the whole global batch at once
+        full = StepInputs.of(collate(global_batch(batches, step, cfg, plan)[0], cfg, tok).to(device))  # the whole global batch at once
         ref_before, ref_grads = parameters(reference), {}
         ref = train_step(reference, ref_optimizer, full, eager_fp32, step, StepComms(),
                          inspect_grads=lambda m: ref_grads.update(gradients(m)))
