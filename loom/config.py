@@ -120,6 +120,10 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (less memory)
     blocks_per_unit: int = 1  # FSDP2: consecutive blocks gathered together (fewer, larger collectives and hooks)
     debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks
+    # LLM pipeline (layout.language.pp > 1): torch.distributed.pipelining's schedule over the M microbatches
+    pp_schedule: str = choice("1f1b", "1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
+    pp_virtual_stages: int = 1  # stages per pp rank (interleaved_1f1b, zero_bubble: ≥ 2 cuts the bubble; zbv: 2)
+    pp_split: list[int] = field(default_factory=list)  # layers per stage, e.g. [5, 7]; empty: balanced by cost
 
 
 @dataclass

@@ -14,8 +14,12 @@ from loom.topology import DIMS, Topology
 from loom.topology.grid import all_dim_subsets
 
 
+# what any pipelined LLM needs to validate: fixed-shape microbatches, M ≥ pp, no tie across stages
+PIPELINE_READY = ["--data.tokens_per_microbatch=1024", "--train.microbatches=8", "--model.language.tie_embeddings=false"]
+
+
 def plan(world: int, *overrides: str) -> Topology:
-    return Topology.plan(load_config(None, list(overrides)), world)
+    return Topology.plan(load_config(None, PIPELINE_READY + list(overrides)), world)
 
 
 def expected_coord(rank: int, start: int, tp: int, cp: int, pp: int, dp: int) -> dict[str, int]:
@@ -119,9 +123,11 @@ def _groups_touch_expected_ranks(overrides: list[str]) -> dict:
 
 
 LAYOUTS_8 = {
-    "colocated": ["--layout.vision.tp=1", "--layout.audio.tp=2", "--layout.language.tp=2", "--layout.language.pp=2"],
-    "noncolocated": ['--layout.vision.ranks="0-1"', "--layout.vision.tp=2", '--layout.audio.ranks="0-1"',
-                     '--layout.language.ranks="2-7"', "--layout.language.tp=2", "--layout.language.pp=3"],
+    "colocated": PIPELINE_READY + ["--layout.vision.tp=1", "--layout.audio.tp=2", "--layout.language.tp=2",
+                                   "--layout.language.pp=2"],
+    "noncolocated": PIPELINE_READY + ['--layout.vision.ranks="0-1"', "--layout.vision.tp=2",
+                                      '--layout.audio.ranks="0-1"', '--layout.language.ranks="2-7"',
+                                      "--layout.language.tp=2", "--layout.language.pp=3"],
 }
 # by hand from LAYOUTS_8: module → (its ranks, tp, cp, pp, dp); dp = ranks / (tp · cp · pp)
 GRIDS_8 = {

@@ -107,13 +107,20 @@ class DecoderLM(nn.Module):
         """Logits for every token ([tokens] packed or [batch, seq] padded ids). `inserts` maps a placeholder
         token id to the embeddings that replace its occurrences, in order (modality embeddings).
         Everything runs inside this forward so FSDP's hooks gather the embedding and head weights."""
-        h = self.embed_tokens(input_ids)
-        for token_id, rows in (inserts or {}).items():
-            h = _place_rows(h, input_ids == token_id, rows.to(h.dtype))
+        h = embed_with_inserts(self.embed_tokens, input_ids, inserts)
         rope = self.rotary(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, layout)
         return self.lm_head(self.norm(h))
+
+
+def embed_with_inserts(embed: nn.Embedding, input_ids: torch.Tensor, inserts: dict[int, torch.Tensor] | None
+                       ) -> torch.Tensor:
+    """Token embeddings, with each placeholder id's occurrences replaced, in order, by its rows."""
+    h = embed(input_ids)
+    for token_id, rows in (inserts or {}).items():
+        h = _place_rows(h, input_ids == token_id, rows.to(h.dtype))
+    return h
 
 
 def _place_rows(h: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

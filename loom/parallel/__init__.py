@@ -12,14 +12,17 @@ from loom.config import ConfigError, JobConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.blocks import transformer_blocks
 from loom.parallel.fsdp import apply_fsdp, mixed_precision
+from loom.parallel.pipeline import ZERO_BUBBLE, split_language
 from loom.parallel.tensor import apply_encoder_tp, apply_llm_tp, tp_unsupported
 from loom.topology import Topology
 
 
-def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_type: str) -> None:
-    """Every module this rank hosts gets its own layout's TP (on the grid's tp mesh) and FSDP (dp mesh)."""
+def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_type: str) -> list[int]:
+    """Every module this rank hosts gets its own layout's PP split (the LLM), TP (on the grid's tp mesh) and
+    FSDP (dp mesh). Returns the LLM's pipeline stages this rank holds (empty without pp)."""
     me = topo.role()
     mp = mixed_precision(cfg.train.dtype)
+    stage_indices: list[int] = []
     for name in (*model.encoder_names, "language"):
         if not me.hosts(name):
             continue
@@ -29,14 +32,27 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
             reason = tp_unsupported(module)
             if reason:
                 raise ConfigError(f"{name}: {reason}")
-            tp_mesh = grid.mesh("tp", device_type=device_type)
-            if name == "language":
-                apply_llm_tp(module, tp_mesh, lay.sequence_parallel, seq_dim=0 if cfg.data.format == "thd" else 1)
-            else:
-                apply_encoder_tp(module, tp_mesh)
-        # under cp the LLM's gradients must be summed over dp × cp: a (dp, cp) mesh makes FSDP2 replicate
-        # over dp and shard over cp (HSDP), reducing over both, with the tp mesh on the same root
-        dims = ("dp", "cp") if lay.cp > 1 else ("dp",)
-        apply_fsdp(module, transformer_blocks(name, module), grid.mesh(*dims, device_type=device_type), mp,
-                   cfg.parallel.reshard_after_forward, cfg.parallel.blocks_per_unit)
+        parts = [module]  # what TP and FSDP wrap: the module, or each of its pipeline stages
+        reshard = cfg.parallel.reshard_after_forward
+        if name == "language" and lay.pp > 1:
+            par = cfg.parallel
+            model.language, stage_indices = split_language(module, grid.coord(me.rank)["pp"], lay.pp,
+                                                              par.pp_virtual_stages, par.pp_schedule, par.pp_split)
+            parts = model.language.stages
+            # zero-bubble's deferred weight pass differentiates w.r.t. the parameters registered at that time:
+            # resharded blocks would register the sharded ones, which the graph never saw (no gradient)
+            reshard = reshard and par.pp_schedule not in ZERO_BUBBLE
+        for part in parts:
+            if lay.tp > 1:
+                tp_mesh = grid.mesh("tp", device_type=device_type)
+                if name == "language":
+                    apply_llm_tp(part, tp_mesh, lay.sequence_parallel, seq_dim=0 if cfg.data.format == "thd" else 1)
+                else:
+                    apply_encoder_tp(part, tp_mesh)
+            # under cp the LLM's gradients must be summed over dp × cp: a (dp, cp) mesh makes FSDP2 replicate
+            # over dp and shard over cp (HSDP), reducing over both, with the tp mesh on the same root
+            dims = ("dp", "cp") if lay.cp > 1 else ("dp",)
+            apply_fsdp(part, transformer_blocks(name, part), grid.mesh(*dims, device_type=device_type), mp,
+                       reshard, cfg.parallel.blocks_per_unit)
+    return stage_indices
 

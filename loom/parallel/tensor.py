@@ -27,15 +27,18 @@ from loom.models.llm import DecoderLM
 from loom.models.multimodal import ModalityEncoder
 
 
-def apply_llm_tp(llm: DecoderLM, mesh: DeviceMesh, sequence_parallel: bool, seq_dim: int) -> None:
-    """`seq_dim`: the token dim of the residual stream (0 for packed [T, D], 1 for padded [B, S, D])."""
+def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_dim: int) -> None:
+    """`llm`: a DecoderLM or one pipeline stage of it (embedding on the first, norm and head on the last);
+    `seq_dim`: the token dim of the residual stream (0 for packed [T, D], 1 for padded [B, S, D])."""
     act = Shard(seq_dim) if sequence_parallel else Replicate()
-    plan = {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
-    }
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel(sequence_dim=seq_dim)
+    plan = {}
+    first_stage, last_stage = llm.embed_tokens is not None, llm.lm_head is not None
+    if first_stage:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if last_stage:
+        plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel(sequence_dim=seq_dim)
     for name in llm.layers:
         block = f"layers.{name}"
         plan.update({
@@ -57,14 +60,15 @@ def apply_llm_tp(llm: DecoderLM, mesh: DeviceMesh, sequence_parallel: bool, seq_
                 ),
                 f"{block}.mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
             })
-    if sequence_parallel:
+    if sequence_parallel and first_stage:
         # the merged (text + modality) embeddings are replicated; the first block takes this rank's token shard
+        # (a later pipeline stage receives the shard itself)
         first = f"layers.{next(iter(llm.layers))}"
         plan[first] = PrepareModuleInput(
             input_layouts=(Replicate(), None, None), desired_input_layouts=(act, None, None), use_local_output=True
         )
     parallelize_module(llm, mesh, plan)
-    if llm.cfg.tie_embeddings:  # distributing replaced both parameters; tie them again (same Shard(0) layout)
+    if llm.cfg.tie_embeddings and first_stage and last_stage:  # distributing replaced both parameters; tie them again (same Shard(0) layout)
         llm.lm_head.weight = llm.embed_tokens.weight
 
 

@@ -45,12 +45,58 @@ def _check_language(lay: Layout, cfg: JobConfig) -> None:
         )
     if lay.sequence_parallel and lay.tp == 1:
         raise ConfigError("language: sequence_parallel = true needs tp > 1 (it shards tokens over the tp group)")
+    _check_pipeline(lay, cfg)
     budget, multiple = cfg.data.tokens_per_microbatch, sample_multiple(lay, cfg)
     if budget and budget % multiple:
         raise ConfigError(
             f"data.tokens_per_microbatch = {budget} is not a multiple of {multiple} (every sample is padded to "
             f"{_multiple_reason(lay, cfg)}); use {budget // multiple * multiple or multiple} or "
             f"{(budget // multiple + 1) * multiple}")
+
+
+# schedule → (virtual stages per rank it needs, what the microbatch count must satisfy)
+_SCHEDULE_RULES = {
+    "gpipe": ("= 1", "≥ 1"),
+    "1f1b": ("= 1", "≥ pp"),
+    "interleaved_1f1b": ("≥ 2", "a multiple of pp"),
+    "zero_bubble": ("≥ 2", "a multiple of pp"),
+    "zbv": ("= 2", "≥ pp"),
+}
+
+
+def _check_pipeline(lay: Layout, cfg: JobConfig) -> None:
+    """The LLM's pipeline: schedule, virtual stages, split and microbatches fit together."""
+    par, lm, m = cfg.parallel, cfg.model.language, cfg.train.microbatches
+    if lay.pp == 1:
+        if par.pp_virtual_stages != 1 or par.pp_split:
+            raise ConfigError("parallel.pp_virtual_stages / parallel.pp_split apply to a pipelined LLM; set "
+                              "layout.language.pp > 1 or remove them")
+        return
+    v, schedule = par.pp_virtual_stages, par.pp_schedule
+    stages = lay.pp * v
+    if lm.num_layers < stages:
+        raise ConfigError(f"language: pp = {lay.pp} × parallel.pp_virtual_stages = {v} = {stages} stages exceed "
+                          f"model.language.num_layers = {lm.num_layers}; every stage needs at least one layer")
+    stages_rule, micro_rule = _SCHEDULE_RULES[schedule]
+    if not {"= 1": v == 1, "≥ 2": v >= 2, "= 2": v == 2}[stages_rule]:
+        raise ConfigError(f"parallel.pp_schedule = {schedule!r} runs parallel.pp_virtual_stages {stages_rule} per "
+                          f"rank, got {v}" + ("; use interleaved_1f1b or zero_bubble for more" if v > 1 else ""))
+    if not {"≥ 1": True, "≥ pp": m >= lay.pp, "a multiple of pp": m % lay.pp == 0}[micro_rule]:
+        raise ConfigError(f"parallel.pp_schedule = {schedule!r} with pp = {lay.pp} needs train.microbatches "
+                          f"{micro_rule} (every stage busy in the steady state), got {m}; use "
+                          f"train.microbatches = {max(lay.pp, -(-m // lay.pp) * lay.pp)}")
+    split = par.pp_split
+    if split and (len(split) != stages or sum(split) != lm.num_layers or min(split) < 1):
+        raise ConfigError(f"parallel.pp_split = {split}: expected {stages} stage sizes (pp · pp_virtual_stages), "
+                          f"each ≥ 1, adding up to model.language.num_layers = {lm.num_layers}; it has "
+                          f"{len(split)} adding up to {sum(split)}")
+    if lm.tie_embeddings:
+        raise ConfigError("model.language.tie_embeddings = true with pp > 1: the embedding (first stage) and the "
+                          "LM head (last stage) would share one weight across ranks, which is not built yet; "
+                          "set tie_embeddings = false or pp = 1")
+    if cfg.data.format == "thd" and not cfg.data.tokens_per_microbatch:
+        raise ConfigError("language: pp > 1 sends fixed-shape activations between stages; set "
+                          "data.tokens_per_microbatch (T tokens per microbatch), e.g. 2048")
 
 
 def sample_multiple(lay: Layout, cfg: JobConfig) -> int:
@@ -79,11 +125,9 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
         )
     _divides(lay, "tp", {"num_heads": enc.num_heads, "hidden_size": enc.hidden_size,
                          "intermediate_size": enc.intermediate_size}, f"model.{name}")
-    if enc.num_layers < lay.pp:
-        raise ConfigError(
-            f"{name}: pp = {lay.pp} exceeds model.{name}.num_layers = {enc.num_layers}; every pipeline stage "
-            f"needs at least one layer"
-        )
+    if lay.pp > 1:
+        raise ConfigError(f"{name}: pp = {lay.pp}; encoders run unpipelined (pp = 1): give the {name} encoder more "
+                          f"dp instead (with a pipelined LLM the three-phase step runs it on every rank)")
 
 
 def _divides(lay: Layout, dim: str, sizes: dict[str, int], prefix: str) -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from loom.bridge.colocated import ColocatedBridge
+from loom.bridge.first_stage import FirstStageBridge
 from loom.config import ConfigError, JobConfig
 from loom.data.format import TokenCounter, to_sample
 from loom.data.loader import GlobalBatches
@@ -21,11 +22,13 @@ from loom.models.multimodal import MultimodalModel, build_model
 from loom.parallel import parallelize
 from loom.parallel.checkpointing import checkpoint_blocks
 from loom.parallel.compile import compile_blocks
+from loom.parallel.pipeline import Pipeline
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
 from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
 from loom.train.optim import freeze_modules
-from loom.train.step import StepComms
+from loom.train.pipeline_step import pipelined_train_step
+from loom.train.step import StepComms, StepResult, train_step
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,7 +86,8 @@ class RankPlan:
     comms: StepComms
     shares: dict[str, tuple[int, int]]  # module → (dp rank, dp size)
     sample_multiple: int  # every sample's tokens are padded to a multiple of this (2·cp, ·tp under SP)
-    bridges: dict[str, ColocatedBridge] = field(default_factory=dict)
+    bridges: dict[str, ColocatedBridge | FirstStageBridge] = field(default_factory=dict)
+    pipeline: Pipeline | None = None  # the LLM's schedule over this rank's stages, when pp > 1
 
     @property
     def distributed(self) -> bool:
@@ -92,6 +96,16 @@ class RankPlan:
     @property
     def is_logger(self) -> bool:
         return not self.distributed or dist.get_rank() == 0
+
+    def train_step(self, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: JobConfig, step: int,
+                   device: torch.device, inspect_grads=None) -> StepResult:
+        """One optimizer step of this rank's layout: microbatch after microbatch, or the three-phase step
+        around the LLM's pipeline schedule."""
+        if self.pipeline is not None:
+            return pipelined_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.pipeline,
+                                        self.bridges, inspect_grads)
+        return train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
+                          self.autocast(cfg.train.dtype, device), inspect_grads)
 
     def autocast(self, dtype: str, device: torch.device):
         """The context factory a step's forward runs in: bf16 autocast on one process; under a layout bf16
@@ -113,17 +127,25 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
         return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple)
     topo = Topology.build(cfg)
     _require_supported(topo)
-    parallelize(model, topo, cfg, device.type)
+    stage_indices = parallelize(model, topo, cfg, device.type)
     me = dist.get_rank()
     lang = topo.grids["language"]
-    shares = {m: (topo.grids[m].coord(me)["dp"], topo.grids[m].layout.dp) for m in modules}
-    bridges = {
-        m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks)
-        for m in model.encoder_names
-    }
     lay = lang.layout
-    comms = StepComms(lang.group("dp", "cp"), loss_parallel=lay.tp > 1, cp_group=lang.group("cp") if lay.cp > 1 else None)
-    return RankPlan(topo, comms, shares, sample_multiple(lay, cfg), bridges)
+    shares = {m: (topo.grids[m].coord(me)["dp"], topo.grids[m].layout.dp) for m in modules}
+    pipeline = None
+    if lay.pp > 1:
+        par = cfg.parallel
+        n_stages = 2 * lay.pp if par.pp_schedule == "zbv" else lay.pp * par.pp_virtual_stages
+        hidden_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # FSDP's param dtype
+        pipeline = Pipeline(model.language, stage_indices, n_stages, par.pp_schedule, cfg.train.microbatches,
+                            lang.group("pp"), device, hidden_dtype, lay.tp if lay.sequence_parallel else 1)
+        bridges = {m: FirstStageBridge(topo.grids[m], lang) for m in model.encoder_names}
+    else:
+        bridges = {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in model.encoder_names}
+    comms = StepComms(lang.group("pp", "dp", "cp"), loss_parallel=lay.tp > 1,
+                      cp_group=lang.group("cp") if lay.cp > 1 else None,
+                      stage_group=lang.group("pp") if lay.pp > 1 else None)
+    return RankPlan(topo, comms, shares, sample_multiple(lay, cfg), bridges, pipeline)
 
 
 def check_data(cfg: JobConfig, plan: RankPlan, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> None:
@@ -151,6 +173,4 @@ def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: 
 def _require_supported(topo: Topology) -> None:
     if not topo.placement.colocated:
         raise ConfigError("non-colocated placement validates and plans, but training it is not built yet")
-    for name, grid in topo.grids.items():
-        if grid.layout.pp > 1:
-            raise ConfigError(f"{name}: pp = {grid.layout.pp}; pipeline parallelism is not built yet")
+

@@ -109,13 +109,23 @@ def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_mesh.values())
 
 
-def clip_and_check(model: nn.Module, max_norm: float) -> tuple[float, bool]:
+def clip_and_check(model: nn.Module, max_norm: float,
+                   staged: tuple[nn.Module, dist.ProcessGroup] | None = None) -> tuple[float, bool]:
     """Global grad norm (before clipping) and whether it is finite; clips only when finite and max_norm > 0.
+    `staged`: a submodule split over pipeline stages and their group: each stage holds only its own
+    parameters, so its squared norm is summed over the group (every other module is whole on every rank).
     Under a layout every rank then takes the largest norm of all ranks (inf if one is not finite), so every
     rank takes the same decision even when replicas of a gradient differ (a module's tp ranks each reduce
     their own copy of the gradients of weights TP does not split: a NaN in one copy would split the ranks)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = float(global_grad_norm(params))
+    if staged is None:
+        norm = float(global_grad_norm(params))
+    else:
+        module, group = staged
+        mine = {id(p) for p in module.parameters()}
+        stage_sq = sum_over(float(global_grad_norm([p for p in params if id(p) in mine])) ** 2, group)
+        rest_sq = float(global_grad_norm([p for p in params if id(p) not in mine])) ** 2
+        norm = math.sqrt(stage_sq + rest_sq)
     if dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters()):
         norm = _largest_over_ranks(norm if math.isfinite(norm) else math.inf)
     finite = math.isfinite(norm)
@@ -127,7 +137,16 @@ def clip_and_check(model: nn.Module, max_norm: float) -> tuple[float, bool]:
 
 
 def _largest_over_ranks(value: float) -> float:
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces only device tensors
+    return _reduce(value, dist.ReduceOp.MAX, None)
+
+
+def sum_over(value: float, group: dist.ProcessGroup | None) -> float:
+    """`value` summed over `group`'s ranks (None: one process, nothing to sum)."""
+    return float(value) if group is None else _reduce(value, dist.ReduceOp.SUM, group)
+
+
+def _reduce(value: float, op, group: dist.ProcessGroup | None) -> float:
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"  # NCCL reduces only device tensors
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op, group=group)
     return float(t)

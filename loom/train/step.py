@@ -24,14 +24,17 @@ from loom.parallel.context import shard_for_context
 from loom.parallel.fsdp import set_gradient_sync
 from loom.train.inputs import StepBatch, StepInputs
 from loom.train.loss import loss_function
-from loom.train.optim import clip_and_check, set_lr
+from loom.train.optim import clip_and_check, set_lr, sum_over
 
 
 @dataclass
 class StepComms:
-    dp_group: dist.ProcessGroup | None = None  # ranks holding different LLM tokens (dp × cp); None: one process
+    # ranks whose losses add up to the step's: the LLM's dp × cp (× pp, where only the last stage's count);
+    # None: one process
+    loss_group: dist.ProcessGroup | None = None
     loss_parallel: bool = False  # logits arrive vocab-sharded (LLM tp > 1)
     cp_group: dist.ProcessGroup | None = None  # the LLM's context-parallel group, when cp > 1
+    stage_group: dist.ProcessGroup | None = None  # the LLM's pipeline group, when pp > 1
 
 
 @dataclass
@@ -40,15 +43,6 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool
-
-
-def sum_over(value: float | int, group: dist.ProcessGroup | None) -> float:
-    if group is None:
-        return float(value)
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"  # NCCL reduces only device tensors
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=group)
-    return float(t)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -104,11 +98,18 @@ def train_step(
             loss_sum = loss_function(cfg.compile, comms.loss_parallel)(logits, batch.labels)
             (loss_sum / n_tokens).backward()  # loss parallel needs its backward inside the context too
         loss_total = loss_total + local_tensor(loss_sum.detach())
+    return finish_step(model, optimizer, float(loss_total) / n_tokens, lr, cfg, comms, inspect_grads)
+
+
+def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: TrainConfig, comms: StepComms,
+                inspect_grads: Callable[[MultimodalModel], None] | None) -> StepResult:
+    """After the last backward: one global grad norm, clipping, the optimizer step (skipped on every rank
+    when the norm is not finite); `loss`: this rank's part of the step's mean loss."""
     if inspect_grads is not None:
         inspect_grads(model)
-    norm, finite = clip_and_check(model, cfg.grad_clip)
+    staged = (model.language, comms.stage_group) if comms.stage_group is not None else None
+    norm, finite = clip_and_check(model, cfg.grad_clip, staged)
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss = sum_over(float(loss_total), comms.dp_group) / n_tokens
-    return StepResult(loss, norm, lr, not finite)
+    return StepResult(sum_over(loss, comms.loss_group), norm, lr, not finite)

@@ -34,7 +34,7 @@ from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs, collate
-from loom.train.step import StepResult, train_step
+from loom.train.step import StepResult
 
 
 class Trainer:
@@ -65,8 +65,7 @@ class Trainer:
         else:
             inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
         self.last_tokens, self.last_stats = inputs.tokens, inputs.stats
-        result = train_step(self.model, self.optimizer, inputs, self.cfg.train, self.step, self.plan.comms,
-                            self.plan.bridges, self.plan.autocast(self.cfg.train.dtype, self.device))
+        result = self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, self.step, self.device)
         self.step += 1
         return result
 

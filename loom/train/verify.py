@@ -88,8 +88,8 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     optimizer, ref_optimizer = ModuleOptimizers(model, modules, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
     batches = build_batches(cfg, build_datasets(cfg)[0], tok, counters)
     eager_fp32 = dataclasses.replace(cfg.train, compile=False, dtype="fp32")
-    autocast = plan.autocast(checked.train.dtype, device)
     out = console or Console(width=170)
+    stages = plan.comms.stage_group  # a pipelined LLM: each rank compares its stages' weights, then they add up
     checks = []
     for step in range(steps):
         mine = step_inputs(batches, step, plan, checked, tok, counters, device)
@@ -102,9 +102,9 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
                 f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
                 f"there is nothing to verify against; lower train.lr or check the data")
         before, grads, notes = parameters(model), {}, []
-        r = train_step(model, optimizer, mine, checked.train, step, plan.comms, plan.bridges, autocast,
-                       inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes)))
-        updates = compare_updates(before, parameters(model), ref_before, parameters(reference))
+        r = plan.train_step(model, optimizer, mine, checked, step, device,
+                            inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, stages)))
+        updates = compare_updates(before, parameters(model), ref_before, parameters(reference), stages)
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
                                 {m: ModuleCheck(grads.get(m), updates[m]) for m in updates}, tolerances, notes))
     if plan.is_logger:
@@ -128,8 +128,8 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], notes: list[str]
-                      ) -> dict[str, Agreement]:
+def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], notes: list[str],
+                      stages: dist.ProcessGroup | None = None) -> dict[str, Agreement]:
     """Per module: the layout's whole gradients (gathered over its shards and replicas) against the
     reference's, before clipping. A gradient present on one side only is noted as a failure."""
     out: dict[str, Agreement] = {}
@@ -140,16 +140,41 @@ def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor]
             continue
         if p.grad is not None:
             out.setdefault(module, Agreement()).add(_full(p.grad), ref_grads[name])
-    return out
+    return _over_stages(out, stages)
 
 
-def compare_updates(before: dict, after: dict, ref_before: dict, ref_after: dict) -> dict[str, Agreement]:
-    """Per module: the step's weight change against the reference's (frozen: both must be zero)."""
+def compare_updates(before: dict, after: dict, ref_before: dict, ref_after: dict,
+                    stages: dist.ProcessGroup | None = None) -> dict[str, Agreement]:
+    """Per module: the step's weight change against the reference's (frozen: both must be zero). Under a
+    pipelined LLM this rank holds only its stages' weights; every reference weight must be on some stage."""
     out: dict[str, Agreement] = {}
     for name, ref in ref_after.items():
         module = name.split(".", 1)[0]
-        out.setdefault(module, Agreement()).add(after[name] - before[name], ref - ref_before[name])
-    return out
+        agreement = out.setdefault(module, Agreement())
+        if name in after:
+            agreement.add(after[name] - before[name], ref - ref_before[name])
+    staged = [name for name in ref_after if name.startswith("language.")]
+    held = torch.tensor([float(name in after) for name in staged])
+    if stages is not None:
+        dist.all_reduce(held, group=stages)
+    if not bool((held == 1).all()):  # each LLM weight on exactly one stage
+        wrong = [f"{name} ×{n:.0f}" for name, n in zip(staged, held.tolist()) if n != 1]
+        raise RuntimeError(f"verify: LLM weights not held by exactly one pipeline stage: {wrong[:5]}")
+    return _over_stages(out, stages)
+
+
+def _over_stages(agreements: dict[str, Agreement], stages: dist.ProcessGroup | None) -> dict[str, Agreement]:
+    """The LLM's agreement over all its pipeline stages (each rank measured its own stages' tensors)."""
+    if stages is None or "language" not in agreements:
+        return agreements
+    a = agreements["language"]
+    # NaN → inf before MAX: a reduction may drop NaN, inf still fails
+    peaks = torch.tensor([x if x == x else math.inf for x in (a.max_diff, a.max_ref)], dtype=torch.float64)
+    sums = torch.tensor([a.sq, a.ref_sq, a.diff_sq], dtype=torch.float64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=stages)
+    dist.all_reduce(sums, group=stages)
+    agreements["language"] = Agreement(*peaks.tolist(), *sums.tolist())
+    return agreements
 
 
 def report(checks: list[StepCheck], cfg: JobConfig, plan, against: str) -> Table:

@@ -1,0 +1,141 @@
+"""The bridge of the three-phase step: an encoder's rows for a whole step to the LLM's first pipeline stage.
+
+With a pipelined LLM (pp > 1) colocated with unpipelined encoders, every rank runs its encoder replica on
+all of the step's microbatches at once (phase 1), but only the LLM's stage-0 ranks consume modality rows.
+The LLM's pp dim is outermost, so an LLM replica is no contiguous block of ranks and the colocated bridge's
+blocks do not apply; this bridge routes rows explicitly instead:
+- forward: the first tp rank of each encoder replica sends each chunk of its rows to every stage-0 rank
+  (all tp and cp ranks) of the LLM replica whose samples they are;
+- backward: after the LLM's schedule (phase 2), each LLM replica's first stage-0 rank sends the rows'
+  gradients (summed over its cp group first: each cp rank inserted only its own tokens' rows) to every rank
+  of the encoder replica that produced them, which then runs the encoder's backward (phase 3).
+Which encoder replica holds which LLM replica's samples is the same fan-in / fan-out / equal assignment as
+the colocated bridge (train/inputs.py `split_encoder`), microbatch after microbatch; every rank derives all
+chunks from host row counts, so one all_to_all_single moves each direction and nothing is read back.
+These are explicit calls, not autograd: every rank takes part in both, including ranks that consume nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loom.bridge.colocated import ReplicaRows
+from loom.topology.grid import Grid
+from loom.topology.layout import DIMS
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [src, src + n) of encoder replica `encoder` are rows [dst, dst + n) of LLM replica `llm`."""
+
+    encoder: int
+    src: int
+    llm: int
+    dst: int
+    n: int
+
+
+def step_chunks(counts: list[ReplicaRows]) -> list[Chunk]:
+    """Every chunk of one step; `counts`: each microbatch's rows per replica on both sides."""
+    enc_dp, llm_dp = len(counts[0].encoder), len(counts[0].llm)
+    enc_done, llm_done = [0] * enc_dp, [0] * llm_dp  # rows of earlier microbatches
+    chunks = []
+    for rows in counts:
+        if enc_dp >= llm_dp:  # fan-in / equal: k encoder replicas share one LLM replica's samples, in order
+            k = enc_dp // llm_dp
+            for e in range(enc_dp):
+                d = e // k
+                before = sum(rows.encoder[d * k : e])
+                chunks.append(Chunk(e, enc_done[e], d, llm_done[d] + before, rows.encoder[e]))
+        else:  # fan-out: one encoder replica holds k LLM replicas' samples, one after another
+            k = llm_dp // enc_dp
+            for d in range(llm_dp):
+                e = d // k
+                before = sum(rows.llm[e * k : d])
+                chunks.append(Chunk(e, enc_done[e] + before, d, llm_done[d], rows.llm[d]))
+        enc_done = [a + b for a, b in zip(enc_done, rows.encoder)]
+        llm_done = [a + b for a, b in zip(llm_done, rows.llm)]
+    return [c for c in chunks if c.n]
+
+
+class FirstStageBridge:
+    """Moves one encoder's rows to the LLM's stage-0 ranks and their gradients back; built once."""
+
+    def __init__(self, src: Grid, dst: Grid) -> None:
+        if src.layout.ranks != dst.layout.ranks:
+            raise ValueError(f"{src.module} and {dst.module} are not colocated")
+        s, d = src.layout, dst.layout
+        self.group = src.group(*DIMS)  # every rank of both grids
+        self.members = dist.get_process_group_ranks(self.group)
+        me = dist.get_rank()
+        # encoder replica e: its ranks (rows replicated over tp); LLM replica d: its stage-0 ranks
+        self.producers = [[src.rank_at(pp=0, dp=e, cp=0, tp=t) for t in range(s.tp)] for e in range(s.dp)]
+        self.consumers = [[dst.rank_at(pp=0, dp=r, cp=c, tp=t) for c in range(d.cp) for t in range(d.tp)]
+                          for r in range(d.dp)]
+        self.my_encoder = src.coord(me)["dp"]
+        self.my_llm = dst.coord(me)["dp"] if me in self.consumers[dst.coord(me)["dp"]] else None
+        self.cp_group = dst.group("cp") if d.cp > 1 and self.my_llm is not None else None
+
+    def consumes(self) -> bool:
+        """Whether this rank is an LLM stage-0 rank (it receives rows and sends their gradients)."""
+        return self.my_llm is not None
+
+    def forward(self, rows: torch.Tensor, counts: list[ReplicaRows]) -> torch.Tensor | None:
+        """rows: this rank's encoder output for the whole step ([rows, hidden], microbatch after microbatch);
+        returns this rank's LLM replica's rows for the whole step on stage-0 ranks, None elsewhere."""
+        sends, recvs, me = {}, {}, dist.get_rank()
+        for c in step_chunks(counts):
+            if self.producers[c.encoder][0] == me:
+                for r in self.consumers[c.llm]:
+                    sends.setdefault(r, []).append((c.src, c.n))
+            if c.llm == self.my_llm:
+                recvs.setdefault(self.producers[c.encoder][0], []).append((c.dst, c.n))
+        total = sum(counts[k].llm[self.my_llm] for k in range(len(counts))) if self.consumes() else 0
+        out = self._route(rows, sends, recvs, total)
+        return out if self.consumes() else None
+
+    def backward(self, grad: torch.Tensor | None, counts: list[ReplicaRows], like: torch.Tensor) -> torch.Tensor:
+        """grad: the gradient of the rows `forward` returned (stage-0 ranks; None elsewhere); returns the
+        gradient of this rank's encoder output `like`."""
+        if grad is not None and self.cp_group is not None:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=self.cp_group)
+        sends, recvs, me = {}, {}, dist.get_rank()
+        for c in step_chunks(counts):
+            sender = self.consumers[c.llm][0]
+            if sender == me:
+                for r in self.producers[c.encoder]:
+                    sends.setdefault(r, []).append((c.dst, c.n))
+            if c.encoder == self.my_encoder:
+                recvs.setdefault(sender, []).append((c.src, c.n))
+        source = grad if grad is not None else like.new_empty((0, like.shape[-1]))
+        return self._route(source, sends, recvs, like.shape[0], like)
+
+    def _route(self, x: torch.Tensor, sends: dict, recvs: dict, total: int, like: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """One all_to_all_single: sends[rank] lists (offset, n) row runs of `x` for that rank, in order;
+        recvs[rank] lists where the runs from that rank land in the result of `total` rows, in order."""
+        like = x if like is None else like
+        order = self.members
+        in_splits = [sum(n for _, n in sends.get(r, [])) for r in order]
+        out_splits = [sum(n for _, n in recvs.get(r, [])) for r in order]
+        pieces = [x[o : o + n] for r in order for o, n in sends.get(r, [])]
+        payload = torch.cat(pieces) if pieces else like.new_empty((0, like.shape[-1]))
+        received = like.new_empty((sum(out_splits), like.shape[-1]))
+        dist.all_to_all_single(received, payload.contiguous(), out_splits, in_splits, group=self.group)
+        # the runs tile the result: put them in place by their offsets
+        runs, at = [], 0
+        for r in order:
+            for o, n in recvs.get(r, []):
+                runs.append((o, at, n))
+                at += n
+        runs.sort()
+        if runs and (runs[0][0] != 0 or any(a[0] + a[2] != b[0] for a, b in zip(runs, runs[1:]))
+                     or runs[-1][0] + runs[-1][2] != total):
+            raise RuntimeError(f"first-stage bridge: received row runs {runs} do not tile {total} rows")
+        if not runs:
+            return like.new_zeros((total, like.shape[-1]))
+        return torch.cat([received[a : a + n] for _, a, n in runs])

@@ -1,0 +1,235 @@
+"""Pipeline parallelism for the LLM: the DecoderLM cut into stage modules from outside, run by a schedule of
+`torch.distributed.pipelining`.
+
+Stages: the layers are split into pp · v contiguous stages, balanced by per-token matmul FLOPs (the LM head
+counts, often as several layers; the embedding is a lookup) unless `parallel.pp_split` gives the sizes.
+Stage 0 also embeds and inserts the modality rows; the last stage also norms, projects and scores. A pp
+rank holds stages r, r + pp, … (loop order), or r and 2·pp − 1 − r for zbv (V order).
+
+The model stays plain: each stage module *reuses* the DecoderLM's own submodules, and this rank's stages are
+gathered in a `PipelinedLM` under the DecoderLM's names (`layers.7.mlp…`), so state dicts, the optimizer,
+verify and checkpoints name every weight as the one-process model does.
+
+Microbatches: the schedule passes each stage a microbatch index (`mb`, a host tensor); the stage reads that
+microbatch's positions, token layout (cu_seqlens, CP shard), labels and modality rows from a table the step
+fills from host data before the schedule runs — only the hidden states travel between stages.
+Losses: the last stage returns the microbatch's summed token loss divided by the step's *global*
+supervised-token count, so the schedule's own gradient scaling stays off (`scale_grads=False`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from loom.models.attention import TokenLayout
+from loom.models.llm import DecoderLM, LLMConfig, embed_with_inserts
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE = ("gpipe", "1f1b")  # schedules that take one stage per rank, not a list
+ZERO_BUBBLE = ("zero_bubble", "zbv")  # backward split into input and (deferred) weight gradients
+
+
+# ---------------------------------------------------------------- the split
+
+
+def layer_flops(cfg: LLMConfig) -> int:
+    """Matmul FLOPs per token of one decoder layer's forward (attention's T² part aside: it grows with T
+    alike on every stage)."""
+    d, hd = cfg.hidden_size, cfg.dim_per_head
+    attn = d * cfg.num_heads * hd * 2 + d * cfg.num_kv_heads * hd * 2  # q, o; k, v
+    return 2 * (attn + 3 * d * cfg.intermediate_size)
+
+
+def head_flops(cfg: LLMConfig) -> int:
+    return 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def split_layers(cfg: LLMConfig, stages: int, sizes: list[int] | None = None) -> list[list[int]]:
+    """Layer indices of each stage: `sizes` as given, or the contiguous split whose costliest stage is
+    cheapest (the head's FLOPs added to the last stage; exact by dynamic programming, n·S² is tiny)."""
+    n = cfg.num_layers
+    if not sizes:
+        sizes = _balanced_sizes([layer_flops(cfg)] * n, stages, last_extra=head_flops(cfg))
+    bounds = [sum(sizes[:s]) for s in range(stages + 1)]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
+
+
+def _balanced_sizes(costs: list[int], stages: int, last_extra: int) -> list[int]:
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the lowest max-stage cost splitting the first i layers into s stages (≥ 1 layer each)
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            extra = last_extra if s == stages else 0
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    sizes, i = [], n
+    for s in range(stages, 0, -1):
+        sizes.append(i - cut[s][i])
+        i = cut[s][i]
+    return sizes[::-1]
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stage indices pp rank `pp_rank` holds: loop order, or V order for zbv."""
+    if schedule == "zbv":
+        return [pp_rank, pp + pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+# ---------------------------------------------------------------- stage modules
+
+
+@dataclass
+class MicrobatchData:
+    """What every stage needs of one microbatch besides the hidden states: built from host data."""
+
+    positions: torch.Tensor
+    layout: TokenLayout
+    labels: torch.Tensor
+    inserts: dict[int, torch.Tensor] = field(default_factory=dict)  # stage 0: placeholder id → its rows
+
+
+class MicrobatchTable:
+    """The step's microbatches, filled by the step before the schedule runs; shared by this rank's stages."""
+
+    def __init__(self) -> None:
+        self.rows: list[MicrobatchData] = []
+        self.divisor = 1  # the step's global supervised-token count
+        self.token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __getitem__(self, mb: torch.Tensor) -> MicrobatchData:
+        return self.rows[int(mb)]  # a host tensor: no device sync
+
+
+class LLMStage(nn.Module):
+    """Layers `layers` of a DecoderLM; stage 0 also embeds, the last stage also norms, projects and scores."""
+
+    def __init__(self, llm: DecoderLM, layers: list[int], first: bool, last: bool, table: MicrobatchTable):
+        super().__init__()
+        self.cfg = llm.cfg
+        self.embed_tokens = llm.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): llm.layers[str(i)] for i in layers})
+        self.norm = llm.norm if last else None
+        self.lm_head = llm.lm_head if last else None
+        self.rotary = llm.rotary
+        self.table = table
+
+    def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+        data = self.table[mb]
+        h = embed_with_inserts(self.embed_tokens, x, data.inserts) if self.embed_tokens is not None else x
+        rope = self.rotary(data.positions, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, data.layout)
+        if self.lm_head is None:
+            return h
+        loss = self.table.token_loss(self.lm_head(self.norm(h)), data.labels) / self.table.divisor
+        return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over tp: every rank has it
+
+
+class PipelinedLM(nn.Module):
+    """This rank's stages of the LLM, their parts registered under the DecoderLM's own names."""
+
+    def __init__(self, llm: DecoderLM, stages: list[LLMStage]) -> None:
+        super().__init__()
+        self.cfg = llm.cfg
+        for name in ("embed_tokens", "norm", "lm_head"):
+            part = next((getattr(s, name) for s in stages if getattr(s, name) is not None), None)
+            if part is not None:
+                self.add_module(name, part)
+        self.layers = nn.ModuleDict({i: layer for s in stages for i, layer in s.layers.items()})
+        self.rotary = llm.rotary
+        self.stages = stages  # a plain list: the stages' parameters are registered once, above
+
+    @property
+    def table(self) -> MicrobatchTable:
+        return self.stages[0].table
+
+
+def split_language(llm: DecoderLM, pp_rank: int, pp: int, virtual: int, schedule: str,
+                   sizes: list[int] | None) -> tuple[PipelinedLM, list[int]]:
+    """This rank's stages of `llm` (the other layers are dropped with it) and their stage indices."""
+    n_stages = pp * virtual if schedule != "zbv" else 2 * pp
+    layers = split_layers(llm.cfg, n_stages, sizes)
+    indices = stages_of_rank(pp_rank, pp, virtual, schedule)
+    table = MicrobatchTable()
+    stages = [LLMStage(llm, layers[s], s == 0, s == n_stages - 1, table) for s in indices]
+    return PipelinedLM(llm, stages), indices
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+class Pipeline:
+    """The schedule over this rank's stages; `run` trains one step's microbatches through it. Built at the
+    first step, when the (fixed) microbatch shape is known: the schedule allocates its buffers once."""
+
+    def __init__(self, lm: PipelinedLM, indices: list[int], n_stages: int, schedule: str, microbatches: int,
+                 group: dist.ProcessGroup, device: torch.device, hidden_dtype: torch.dtype, tp_shards: int) -> None:
+        self.lm, self.indices, self.table, self.n_stages = lm, indices, lm.table, n_stages
+        self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
+        self.hidden_dtype, self.tp_shards = hidden_dtype, tp_shards  # tp_shards: tokens split over tp (SP)
+        self.first = 0 in indices  # this rank runs stage 0: it embeds and inserts the modality rows
+        self.schedule = None
+
+    def _build(self, ids: torch.Tensor) -> None:
+        hidden = [*ids.shape, self.lm.cfg.hidden_size]
+        # sequence parallel: each tp rank holds its shard of the tokens (packed dim 0, padded dim 1)
+        hidden[0 if ids.dim() == 1 else 1] //= self.tp_shards
+        meta = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+        stages = []
+        for module, s in zip(self.lm.stages, self.indices):
+            # hidden states require grad (their gradient goes back a stage); the last stage returns the loss
+            inputs = meta(ids.shape, ids.dtype) if s == 0 else meta(hidden, self.hidden_dtype).requires_grad_()
+            last = s == self.n_stages - 1
+            outputs = (meta((), torch.float32) if last else meta(hidden, self.hidden_dtype)).requires_grad_()
+            stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=inputs,
+                                        output_args=outputs, group=self.group))
+        cls = SCHEDULES[self.schedule_name]
+        # the last stage's loss is already divided by the global token count: nothing to scale
+        self.schedule = cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages, self.microbatches,
+                            loss_fn=lambda loss, _mb: loss, scale_grads=False)
+
+    def run(self, ids: list[torch.Tensor], rows: list[MicrobatchData], divisor: int, token_loss) -> torch.Tensor:
+        """Forward and backward of every microbatch. `ids`: each microbatch's stage-0 token ids (one shape);
+        `rows`: each microbatch's host-built data; `divisor`: the step's global supervised-token count.
+        Returns this rank's summed (scaled) losses: 0 off the last stage."""
+        if self.schedule is None:
+            self._build(ids[0])
+        self.table.rows, self.table.divisor, self.table.token_loss = rows, divisor, token_loss
+        mb = torch.arange(self.microbatches)
+        losses: list[torch.Tensor] = []
+        try:
+            # the schedule cuts the concatenated ids (and mb) back into microbatches
+            self.schedule.step(torch.cat(ids), target=mb, losses=losses, mb=mb, return_outputs=False)
+        finally:
+            self.table.rows = []
+        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
