@@ -10,7 +10,6 @@ from loom.data.tokenizer import ByteTokenizer
 from loom.train.build import build_job_model, setup_parallel, step_inputs, token_counters
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs
-from loom.train.step import train_step
 
 
 class LoomContender:
@@ -42,8 +41,7 @@ class LoomContender:
         return inputs
 
     def step(self, inputs: StepInputs, step: int) -> float:
-        return train_step(self.model, self.optimizer, inputs, self.cfg.train, step, self.plan.comms,
-                          self.plan.bridges, self.plan.autocast(self.cfg.train.dtype, self.device)).loss
+        return self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, step, self.device).loss
 
     def llm_tokens(self, step: int) -> int:
         return sum(len(s) for s in self.workload.global_batch(step))

@@ -49,3 +49,39 @@ def test_pipeline_matches_reference(worlds, name):
             assert s["modules"] == ["audio", "language", "vision"]
             assert s["passed"], f"{where}: {s['failures']}"
         assert steps == per_rank[0], f"{name}: rank {rank} saw other numbers than rank 0"
+
+
+def _train_and_save(out_dir: str) -> dict:
+    """Two pipelined training steps, the final checkpoint and the held-out evaluation of `loom train`; returns
+    this rank's own LLM weights (whole, gathered over dp) and, on rank 0, what the checkpoint holds."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from loom.config import load_config
+    from loom.train.trainer import Trainer
+    from loom.train.verify import parameters
+
+    cfg = load_config(None, ["--train.global_batch_size=8", "--data.train_size=200", "--data.heldout_size=4",
+                             "--train.steps=2", "--run.tensorboard=false", "--run.progress=false",
+                             f"--run.out_dir={out_dir}", "--train.eval_max_new_tokens=2"]
+                      + pp(2, 2) + ENCODERS_DP, world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    trainer.run()
+    mine = {k: v for k, v in parameters(trainer.model).items() if k.startswith("language.")}
+    if dist.get_rank() != 0:
+        return {"mine": mine}
+    return {"mine": mine, "weights": load_file(f"{out_dir}/final/model.safetensors"),
+            "moments": set(load_file(f"{out_dir}/final/optimizer.safetensors"))}
+
+
+def test_pipelined_run_saves_every_stage(worlds, tmp_path):
+    """The checkpoint of a pipelined run holds every stage's weights (as trained) and optimizer moments."""
+    per_rank = worlds.run(4, _train_and_save, str(tmp_path), timeout=300)
+    saved = per_rank[0]["weights"]
+    llm = {k for k in saved if k.startswith("language.")}
+    held = [k for r in per_rank for k in r["mine"]]
+    assert sorted(set(held)) == sorted(llm)  # every LLM weight, from its own stage
+    for r in per_rank:
+        for name, tensor in r["mine"].items():
+            assert (saved[name] == tensor).all(), name
+    assert {f"{k}.exp_avg" for k in llm} <= per_rank[0]["moments"]

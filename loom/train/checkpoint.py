@@ -42,16 +42,34 @@ def write_checkpoint(path: str | Path, weights: dict, optimizer_tensors: dict, s
     (path / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2, default=str))
 
 
-def gather_full_weights(model: nn.Module, to_rank0: bool) -> dict[str, torch.Tensor]:
+def gather_full_weights(model: nn.Module, to_rank0: bool, stages=None) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of an FSDP/TP model — collective: every rank calls it. `to_rank0`: only
-    rank 0 receives them, on the CPU; otherwise every rank does, on its device."""
+    rank 0 receives them, on the CPU; otherwise every rank does, on its device. `stages`: the pipeline
+    group of a pipelined LLM, whose stages each hold only their own weights (to_rank0 only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=to_rank0))
+    if stages is None:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=to_rank0))
+    mine = {k: v.cpu() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+    return gather_over_stages(mine, stages)
+
+
+def gather_over_stages(tensors: dict, stages) -> dict:
+    """Every stage's part of a dict, merged on the first rank of each pipeline group (rank 0 among them);
+    an in-memory object collective, so nothing is unpickled from a file."""
+    import torch.distributed as dist
+
+    first = dist.get_process_group_ranks(stages)[0]
+    parts = [None] * dist.get_world_size(stages) if dist.get_rank() == first else None
+    dist.gather_object(tensors, parts, dst=first, group=stages)
+    if dist.get_rank() != 0:
+        return {}
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def save_sharded_as_full(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str], step: int, extra: dict
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str], step: int, extra: dict,
+    stages=None,
 ) -> None:
     """FSDP/TP model: gathers full tensors to rank 0 (collective: every rank calls it), which writes the same
     folder a one-process run writes, so export, evaluation and one-process resume read it unchanged.
@@ -59,17 +77,19 @@ def save_sharded_as_full(
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    weights = gather_full_weights(model, to_rank0=True)
+    weights = gather_full_weights(model, to_rank0=True, stages=stages)
     optim = get_optimizer_state_dict(
-        model, _optimizers(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, _optimizers(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=stages is None)
     )
+    moments = {
+        f"{fqn}.{key}": torch.as_tensor(value).cpu().contiguous()
+        for fqn, state in optim["state"].items()
+        for key, value in state.items()
+    }
+    if stages is not None:
+        moments = gather_over_stages(moments, stages)
     if dist.get_rank() == 0:
         weights = {k: v.contiguous() for k, v in weights.items() if k in names}
-        moments = {
-            f"{fqn}.{key}": torch.as_tensor(value).contiguous()
-            for fqn, state in optim["state"].items()
-            for key, value in state.items()
-        }
         write_checkpoint(path, weights, moments, step, extra)
     dist.barrier()
 

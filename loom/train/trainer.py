@@ -121,7 +121,7 @@ class Trainer:
         return metrics
 
     def _gathered_copy(self):
-        full = gather_full_weights(self.model, to_rank0=True)
+        full = gather_full_weights(self.model, to_rank0=True, stages=self.plan.comms.stage_group)
         if dist.get_rank() != 0:
             return None
         copy = build_job_model(self.cfg, self.tok, pretrained=False)
@@ -131,7 +131,8 @@ class Trainer:
     def save(self, path: Path) -> None:
         extra = {"config": self.cfg.to_dict()}
         if self.plan.distributed:
-            save_sharded_as_full(path, self.model, self.optimizer, self.weight_names, self.step, extra)
+            save_sharded_as_full(path, self.model, self.optimizer, self.weight_names, self.step, extra,
+                                 self.plan.comms.stage_group)
         else:
             save_checkpoint(path, self.model, self.optimizer, self.step, extra)
 
