@@ -101,7 +101,7 @@ def _balanced_sizes(costs: list[int], stages: int, last_extra: int) -> list[int]
 def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     """The stage indices pp rank `pp_rank` holds: loop order, or V order for zbv."""
     if schedule == "zbv":
-        return [pp_rank, pp + pp_rank]
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(virtual)]
 
 
