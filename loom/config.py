@@ -43,7 +43,8 @@ class DataConfig:
     format: str = choice("thd", "thd", "bshd")  # packed (THD) or padded (BSHD) batches
     pad_to_multiple: int = 1  # each sample's length is rounded up to this (the layout adds 2·cp, ·tp under SP)
     tokens_per_microbatch: int = 0  # T: every LLM microbatch packs exactly T tokens (0: each share as it comes)
-    too_long: str = choice("error", "error", "skip")  # a sample longer than T: stop with its index, or skip it
+    padded_length: int = 0  # S: every bshd microbatch is [rows, S] (0: the data's longest sample, rounded up)
+    too_long: str = choice("error", "error", "skip")  # a sample longer than T (or S): stop with its index, or skip it
     # train.compile: rows of one call of an encoder's layers, e.g. {vision = 2048}; fixed, so they never recompile
     # (not listed: T per LLM microbatch served, always enough; a call with more rows compiles again)
     encoder_rows_per_microbatch: dict = field(default_factory=dict)
@@ -300,6 +301,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "train.grad_clip": t.grad_clip,
             "train.eval_every": t.eval_every,
             "data.tokens_per_microbatch": d.tokens_per_microbatch,
+            "data.padded_length": d.padded_length,
             "run.save_every": cfg.run.save_every,
         }
     )
@@ -349,8 +351,12 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "use model.attention = 'auto' to fall back to SDPA elsewhere"
         )
     if d.tokens_per_microbatch and d.format != "thd":
-        raise ConfigError("data.tokens_per_microbatch packs microbatches (data.format = 'thd'); padded batches "
-                          "(bshd) take train.microbatches equal shares: set data.tokens_per_microbatch = 0")
+        raise ConfigError("data.tokens_per_microbatch packs microbatches (data.format = 'thd'); padded (bshd) "
+                          "microbatches are [rows, data.padded_length]: set data.tokens_per_microbatch = 0 and "
+                          "data.padded_length to fix their length")
+    if d.padded_length and d.format != "bshd":
+        raise ConfigError(f"data.padded_length = {d.padded_length} is the rows' length of padded batches; set "
+                          f"data.format = 'bshd', or data.tokens_per_microbatch for packed (thd) ones")
     if not d.tokens_per_microbatch and t.global_batch_size % t.microbatches:
         raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by train.microbatches "
                           f"= {t.microbatches}; or set data.tokens_per_microbatch to pack microbatches by tokens")

@@ -8,7 +8,7 @@ import torch
 from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
 
 from loom.config import load_config
-from loom.data.batch import IGNORE_INDEX
+from loom.data.batch import IGNORE_INDEX, supervised_count
 from loom.train.inputs import balanced_runs, collate, plan_inputs, split_encoder
 
 
@@ -122,3 +122,108 @@ def test_a_budget_below_the_longest_sample_fails_before_training(tmp_path):
 
         Trainer(load_config(args[1], args[2:]))
     assert loom.cli.main(args) == 2  # the CLI says so as a config error, before any step
+
+
+# ---------------------------------------------------------------- padded (bshd) microbatches of fixed [R, S]
+
+
+def _padded_job(*extra: str):
+    """The tiny job's built-in tasks, bshd: config with S resolved (sample multiple 4), counters, batches."""
+    from loom.data.tokenizer import ByteTokenizer
+    from loom.train.build import build_batches, build_datasets, build_job_model, longest_samples, token_counters
+    from loom.train.inputs import with_padded_length
+
+    cfg, tok = _cfg("--data.format=bshd", "--train.global_batch_size=8", "--train.microbatches=2", *extra), ByteTokenizer()
+    counters = token_counters(build_job_model(cfg, tok))
+    longest = longest_samples(cfg, tok, counters)
+    cfg = with_padded_length(cfg, longest, 4)
+    return cfg, tok, counters, longest, build_batches(cfg, build_datasets(cfg)[0], tok, counters)
+
+
+def _padded_steps(cfg, tok, counters, batches, steps=4, dp=2):
+    """Every step's microbatches on each of dp LLM replicas (encoders on the same replicas)."""
+    from loom.train.inputs import fitting
+
+    out = []
+    for step in range(steps):
+        samples, indices, skipped = fitting(batches.shard(step), batches.indices(step), cfg, 4)
+        plans = [plan_inputs(samples, indices, cfg, tok, counters, {n: (r, dp) for n in ("language", *counters)}, 4,
+                             torch.device("cpu")) for r in range(dp)]
+        out.append((samples, skipped, plans))
+    return out
+
+
+def test_padded_microbatches_are_rows_by_the_longest_sample_every_step():
+    cfg, tok, counters, longest, batches = _padded_job()
+    s = -(-max(longest.values()) // 4) * 4
+    assert cfg.data.padded_length == s  # 0 → the longest built-in sample, rounded up to the sample multiple
+    lengths = set()
+    for samples, _, plans in _padded_steps(cfg, tok, counters, batches):
+        for p in plans:
+            assert [tuple(mb.llm.input_ids.shape) for mb in p.microbatches] == [(2, s)] * 2  # R = 8 / (dp 2 · M 2)
+            lengths.add(tuple(int(n) for mb in p.microbatches for n in mb.llm.layout.pad_mask.sum(1)))
+        held = sorted(int(n) for p in plans for mb in p.microbatches for n in mb.llm.layout.pad_mask.sum(1))
+        assert held == sorted(len(x) for x in samples)  # every sample once, whole, and no filler row
+    assert len(lengths) > 1  # the samples differ from step to step; the shapes do not
+
+
+def test_padded_length_set_by_hand_and_its_errors():
+    from loom.config import ConfigError
+    from loom.train.inputs import check_longest, with_padded_length
+
+    cfg, _, _, longest, _ = _padded_job("--data.padded_length=64")
+    assert cfg.data.padded_length == 64
+    with pytest.raises(ConfigError, match=r"data.padded_length = 62 is not a multiple of 4.*use 60 or 64"):
+        with_padded_length(_cfg("--data.format=bshd", "--data.padded_length=62"), longest, 4)
+    short = _cfg("--data.format=bshd", "--data.padded_length=40")
+    with pytest.raises(ConfigError, match=r"data.padded_length = 40, but task 'shapes' samples reach 58 tokens.*"
+                                          r"raise data.padded_length to at least 60.*data.too_long"):
+        check_longest(short, longest, 4)
+    check_longest(_cfg("--data.format=bshd", "--data.padded_length=40", "--data.too_long=skip"), longest, 4)
+    with pytest.raises(ValueError, match=r"tokens_per_microbatch.*data.padded_length"):  # T is for packed batches
+        _cfg("--data.format=bshd", "--data.tokens_per_microbatch=64")
+    with pytest.raises(ValueError, match=r"data.padded_length = 64.*data.format = 'bshd'"):  # and S for padded ones
+        _cfg("--data.padded_length=64")
+
+
+def test_skipping_too_long_samples_keeps_every_microbatch_r_rows():
+    cfg, tok, counters, _, batches = _padded_job("--data.padded_length=40", "--data.too_long=skip")
+    skipped_any = False
+    for samples, skipped, plans in _padded_steps(cfg, tok, counters, batches, steps=6):
+        skipped_any |= skipped > 0
+        assert all(len(x) <= 40 for x in samples) and len(samples) == 8 - skipped
+        real = 0
+        for p in plans:
+            assert p.supervised == sum(supervised_count(x) for x in samples)  # the kept samples' global count
+            for mb in p.microbatches:
+                b = mb.llm
+                assert tuple(b.input_ids.shape) == (2, 40)
+                filler = b.layout.pad_mask.sum(1) == 1  # a filler row: one real token, no label
+                assert ((b.labels != IGNORE_INDEX).sum(1)[filler] == 0).all()
+                real += int((~filler).sum())
+        assert real == len(samples)
+    assert skipped_any, "no step skipped a sample: the test would prove nothing"
+
+
+def test_filler_rows_change_nothing_and_give_no_nan(tiny_model, tok, mixed_samples):
+    """A padded batch with filler rows (all padding but a first real token) gives the same loss and gradients
+    as the samples alone. The real token is there because an all-masked query row is a softmax over nothing:
+    NaN in SDPA kernels without a safe softmax (the CPU math kernel has one, so only the mask shows it)."""
+    from loom.data.batch import pad_samples
+    from loom.train.loss import token_loss_sum
+
+    def loss_and_grads(batch):
+        tiny_model.zero_grad()
+        logits = tiny_model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+        loss = token_loss_sum(logits, batch.labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in tiny_model.named_parameters() if p.grad is not None}
+
+    alone = pad_samples(mixed_samples, tok.pad_id)
+    filled = pad_samples(mixed_samples, tok.pad_id, length=alone.input_ids.shape[1] + 8, rows=len(mixed_samples) + 2)
+    assert filled.layout.pad_mask[-2:].sum() == 2 and (filled.labels[-2:] == IGNORE_INDEX).all()
+    (a, ga), (b, gb) = loss_and_grads(alone), loss_and_grads(filled)
+    assert torch.isfinite(b) and all(torch.isfinite(g).all() for g in gb.values())
+    torch.testing.assert_close(b, a)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-5, atol=1e-6, msg=n)

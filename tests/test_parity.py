@@ -72,6 +72,11 @@ LAYOUTS = {
     "mb4-bins-fan-in-ac-full": (4, mb(4, 256) + FAN_IN + ["--train.activation_checkpointing=full"]),
     "mb2-bins-cp2-ac-selective": (2, mb(2, 512) + ["--layout.language.cp=2", "--train.activation_checkpointing=selective"]),
     "mb4-bins-skip-too-long": (2, mb(4, 48) + ["--train.global_batch_size=8", "--data.too_long=skip"]),
+    # padded microbatches of fixed [R, S] (every bshd case: S = the longest sample unless set): here with
+    # samples over S = 40 skipped, so some microbatches hold a filler row; and fan-in on 2 ranks
+    "bshd-mb2-dp2-skip-filler": (2, ["--data.format=bshd", "--train.microbatches=2", "--data.padded_length=40",
+                                     "--data.too_long=skip", "--train.global_batch_size=8"]),
+    "bshd-fan-in-llm-tp2": (2, ["--data.format=bshd", "--layout.vision.tp=1", "--layout.language.tp=2"]),
     # bf16 compute (FSDP mixed precision) against the fp32 reference, at bf16's tolerances
     "bf16-dp2": (2, BF16),
     "bf16-fan-in": (4, BF16 + FAN_IN),

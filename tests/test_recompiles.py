@@ -20,6 +20,10 @@ from conftest import tiny_job_overrides
 # B = 5 samples in 2 microbatches of 256 tokens: bins of 1–3 samples, 0–3 images and 0–2 clips each
 FIXED = ["--train.compile=true", "--train.global_batch_size=5", "--train.microbatches=2",
          "--data.tokens_per_microbatch=256"]
+# padded: every LLM microbatch [2 rows, 48 tokens]; samples over 48 tokens skipped, so some microbatches hold one
+# sample and a filler row
+PADDED = ["--train.compile=true", "--train.global_batch_size=4", "--train.microbatches=2", "--data.format=bshd",
+          "--data.padded_length=48", "--data.too_long=skip"]
 STEPS = 5
 
 
@@ -53,6 +57,7 @@ def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict
     """`steps` compiled training steps of the tiny model; what compiled after the first, and what the
     microbatches held (real samples per LLM microbatch, items per encoder call)."""
     from loom.config import load_config
+    from loom.data.batch import IGNORE_INDEX
     from loom.parallel.compile import compiled_frames
     from loom.train.build import step_inputs
     from loom.train.trainer import Trainer
@@ -61,18 +66,20 @@ def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict
     with cheap_backend_and_recompile_log() as reasons:
         cfg = load_config(None, tiny_job_overrides(out_dir, *overrides), world_size=world)
         trainer = Trainer(cfg)
-        shapes, first, logged = [], 0, 0
+        shapes, llm_shapes, first, logged = [], set(), 0, 0
         for step in range(steps):
             inputs = step_inputs(trainer.batches, step, trainer.plan, cfg, trainer.tok, trainer.counters,
                                  trainer.device)
             for m in inputs.microbatches:
-                lengths = [n for n in m.llm.layout.cu_seqlens.diff().tolist() if n]
-                shapes.append((len(lengths), *(len(items) for items in m.encoder_items.values())))
+                lay = m.llm.layout  # packed: segments (the filler one too); padded: rows with labels (samples)
+                lengths = lay.cu_seqlens.diff() if lay.pad_mask is None else (m.llm.labels != IGNORE_INDEX).sum(1)
+                shapes.append((sum(1 for n in lengths.tolist() if n), *(len(items) for items in m.encoder_items.values())))
+                llm_shapes.add(tuple(m.llm.input_ids.shape))
             loss = trainer.train_step().loss
             if step == 0:
                 first, logged = compiled_frames(), len(reasons)
         return {"recompiles": compiled_frames() - first, "reasons": reasons[logged:], "shapes": shapes,
-                "first_step_frames": first, "loss": loss}
+                "llm_shapes": sorted(llm_shapes), "first_step_frames": first, "loss": loss}
 
 
 def check_fixed(result: dict) -> None:
@@ -84,6 +91,14 @@ def check_fixed(result: dict) -> None:
 
 def test_fixed_shapes_compile_nothing_after_the_first_step(tmp_path):
     check_fixed(compiled_run(str(tmp_path), FIXED))
+
+
+def test_padded_rows_of_fixed_length_compile_nothing_after_the_first_step(tmp_path):
+    """bshd: every microbatch [R, S] (R = 4 / M 2, S = data.padded_length), filler rows where skips left one
+    sample; the encoders' row budget is R·S."""
+    result = compiled_run(str(tmp_path), PADDED)
+    check_fixed(result)
+    assert result["llm_shapes"] == [(2, 48)]
 
 
 def test_without_a_token_budget_the_count_sees_recompiles(tmp_path):

@@ -71,18 +71,27 @@ def gather_modality_inputs(samples: list[Sample]) -> dict[str, list[torch.Tensor
     return {m: [item for s in samples for item in s.items(m)] for m in MODALITIES}
 
 
-def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backend: str = "auto") -> Batch:
-    """BSHD: one row per sample, right-padded to the longest sample rounded up to `multiple_of`."""
-    if not samples:
+def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backend: str = "auto",
+                length: int = 0, rows: int = 0) -> Batch:
+    """BSHD: one row per sample, right-padded to the longest sample rounded up to `multiple_of` — or, fixed,
+    to `length` tokens and `rows` rows (filler rows after the samples)."""
+    if not samples and not rows:
         raise ValueError("pad_samples: no samples to collate")
-    seq = round_up(max(len(s) for s in samples), multiple_of)
-    ids = torch.full((len(samples), seq), pad_id, dtype=torch.long)
-    labels = torch.full((len(samples), seq), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(samples), seq), dtype=torch.bool)
+    seq = length or round_up(max(len(s) for s in samples), multiple_of)
+    rows = rows or len(samples)
+    if len(samples) > rows or any(len(s) > seq for s in samples):
+        raise ValueError(f"pad_samples: {len(samples)} samples of up to {max(map(len, samples))} tokens do not fit "
+                         f"[{rows}, {seq}]")
+    ids = torch.full((rows, seq), pad_id, dtype=torch.long)
+    labels = torch.full((rows, seq), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((rows, seq), dtype=torch.bool)
     for row, s in enumerate(samples):
         n = len(s)
         ids[row, :n] = torch.tensor(s.tokens)
         labels[row, :n] = torch.tensor(shifted_labels(s))
         mask[row, :n] = True
-    positions = torch.arange(seq).expand(len(samples), seq).clone()
+    # a filler row's first token counts as real, so no query row is all masked (a softmax over nothing: NaN in
+    # SDPA kernels without a safe softmax); it has no labels, so it adds nothing to the loss or the gradients
+    mask[len(samples):, 0] = True
+    positions = torch.arange(seq).expand(rows, seq).clone()
     return Batch(ids, labels, positions, TokenLayout.from_pad_mask(mask, backend), gather_modality_inputs(samples))

@@ -46,16 +46,19 @@ def compile_blocks(model: nn.Module, modules: list[str], cfg: JobConfig | None =
 
 
 def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
-    """Each encoder's fixed rows per call: `data.encoder_rows_per_microbatch[name]`, else T per LLM
-    microbatch it serves (its rows are placeholders among the T tokens, so T always suffices); items: one
-    per sample of the global batch."""
+    """Each encoder's fixed rows per call: `data.encoder_rows_per_microbatch[name]`, else the tokens (T, or
+    R·S padded) per LLM microbatch it serves (its rows are placeholders among those tokens, so they always
+    suffice); items: one per sample of the global batch."""
     t, explicit = cfg.data.tokens_per_microbatch, cfg.data.encoder_rows_per_microbatch
-    serves = {name: 1 for name in cfg.model.encoders}  # LLM microbatches one encoder call covers
-    if t and world_size > 1:  # fan-out: an encoder replica serves several LLM replicas
+    serves, llm_dp = {name: 1 for name in cfg.model.encoders}, 1  # LLM microbatches one encoder call covers
+    if (t or cfg.data.padded_length) and world_size > 1:  # fan-out: an encoder replica serves several LLM replicas
         from loom.topology.layout import resolve_placement
 
         layouts = resolve_placement(cfg, world_size).layouts
-        serves = {n: max(1, layouts["language"].dp // layouts[n].dp) for n in serves}
+        llm_dp = layouts["language"].dp
+        serves = {n: max(1, llm_dp // layouts[n].dp) for n in serves}
+    # padded (bshd): a microbatch is [R, S], R = global_batch_size / (dp·M)
+    t = t or cfg.data.padded_length * (cfg.train.global_batch_size // (llm_dp * cfg.train.microbatches))
     rows = {n: explicit.get(n) or t * serves[n] for n in serves}
     return {n: RowBudget(r, cfg.train.global_batch_size) for n, r in rows.items() if r}
 

@@ -2,18 +2,22 @@
 
 The global batch of step s is split into M microbatches per LLM replica: bins of exactly
 `data.tokens_per_microbatch` tokens filled by the balancing packer (data/bins.py), or, without a token
-budget, contiguous equal shares. Each encoder replica then takes its part of every microbatch: under fan-in
-(more encoder replicas than LLM replicas) a contiguous, row-balanced part of one LLM replica's samples;
-under fan-out the LLM replicas of its block, one after another. The bridge concatenates or narrows these
-row runs, so it only needs each replica's row count, which every rank computes here.
+budget, contiguous equal shares, padded (bshd) to exactly [R, S]: R = global_batch_size / (dp·M) rows of
+S = `data.padded_length` tokens, so these shapes never change either. Each encoder replica then takes its
+part of every microbatch: under fan-in (more encoder replicas than LLM replicas) a contiguous, row-balanced
+part of one LLM replica's samples; under fan-out the LLM replicas of its block, one after another. The
+bridge concatenates or narrows these row runs, so it only needs each replica's row count, which every rank
+computes here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from loom.bridge.colocated import ReplicaRows
 from loom.config import ConfigError, JobConfig
@@ -54,16 +58,17 @@ class StepInputs:
 
 
 def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer, multiple: int | None = None,
-            length: int | None = None) -> Batch:
+            length: int | None = None, rows: int = 0) -> Batch:
     """Packed (THD) or padded (BSHD) batch of `samples`, each padded to `multiple` tokens (default
-    data.pad_to_multiple); `length`: a packed batch filled to exactly that many tokens."""
+    data.pad_to_multiple); `length`: a packed batch filled to exactly that many tokens, or a padded one's
+    rows of exactly that many tokens (`rows` of them)."""
     d, backend = cfg.data, cfg.model.attention
     multiple = multiple or d.pad_to_multiple
     # compiled blocks specialise on the token count's alignment and size range, and under FSDP one rank's
     # recompile stalls them all: rounding the count up to a multiple of 64 keeps the variants few
     step = math.lcm(multiple, COMPILED_TOKEN_MULTIPLE) if cfg.train.compile else multiple
     if d.format != "thd":
-        return pad_samples(samples, tok.pad_id, step, backend=backend)
+        return pad_samples(samples, tok.pad_id, step, backend=backend, length=length or 0, rows=rows)
     batch = pack_samples(samples, tok.pad_id, multiple, length or round_up(packed_length(samples, multiple), step),
                          backend=backend)
     if length and cfg.train.compile:
@@ -77,11 +82,44 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer, multiple:
     return batch
 
 
+def limit(cfg: JobConfig) -> tuple[str, int]:
+    """The key and value that bound one sample's padded length: T packed, S padded (0: no bound)."""
+    if cfg.data.format == "thd":
+        return "data.tokens_per_microbatch", cfg.data.tokens_per_microbatch
+    return "data.padded_length", cfg.data.padded_length
+
+
+def with_padded_length(cfg: JobConfig, longest: dict[str, int], multiple: int) -> JobConfig:
+    """Padded (bshd) batches: `cfg` with data.padded_length = S checked against the sample multiple, or,
+    when 0, set to the data's longest sample rounded up to it (`longest`: source → its longest sample)."""
+    if cfg.data.format != "bshd":
+        return cfg
+    s = cfg.data.padded_length
+    if s % multiple:
+        raise ConfigError(
+            f"data.padded_length = {s} is not a multiple of {multiple}, the sample multiple of this layout (2·cp, "
+            f"·tp under sequence parallel, and data.pad_to_multiple); use {s // multiple * multiple or multiple} or "
+            f"{(s // multiple + 1) * multiple}, or 0 for the longest sample")
+    s = s or round_up(max(longest.values()), multiple)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, padded_length=s))
+
+
+def layout_multiple(cfg: JobConfig) -> int:
+    """The LLM's sample multiple under the launcher's layout: RankPlan.sample_multiple, before the plan exists
+    (compile sets the encoders' row budgets from S, so S is resolved first)."""
+    if not dist.is_initialized():
+        return cfg.data.pad_to_multiple
+    from loom.topology.checks import sample_multiple
+    from loom.topology.layout import resolve_placement
+
+    return sample_multiple(resolve_placement(cfg, dist.get_world_size()).layouts["language"], cfg)
+
+
 def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple: int
             ) -> tuple[list[Sample], list[int], int]:
-    """With data.too_long = "skip": the samples whose padded length fits a microbatch, their dataset indices,
-    and how many were dropped (the reference drops the same ones). Otherwise all of them."""
-    budget = cfg.data.tokens_per_microbatch
+    """With data.too_long = "skip": the samples whose padded length fits a microbatch (T packed, S padded),
+    their dataset indices, and how many were dropped (the reference drops the same ones). Otherwise all."""
+    budget = limit(cfg)[1]
     if not budget or cfg.data.too_long != "skip":
         return samples, indices, 0
     keep = [i for i, s in enumerate(samples) if round_up(len(s), multiple) <= budget]
@@ -89,17 +127,18 @@ def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple:
 
 
 def check_longest(cfg: JobConfig, longest: dict[str, int], multiple: int) -> None:
-    """Before training: a data source whose longest sample (padded) exceeds T is an error now, unless
-    data.too_long = "skip" — not at the step that draws it. `longest`: source → its longest sample."""
-    budget = cfg.data.tokens_per_microbatch
+    """Before training: a data source whose longest sample (padded) exceeds the limit (T packed, S padded) is
+    an error now, unless data.too_long = "skip" — not at the step that draws it. `longest`: source → its
+    longest sample."""
+    key, budget = limit(cfg)
     if not budget or cfg.data.too_long == "skip":
         return
     for source, n in longest.items():
         if round_up(n, multiple) > budget:
             raise ConfigError(
-                f"data.tokens_per_microbatch = {budget}, but {source} samples reach {n} tokens (padded to a "
-                f"multiple of {multiple}: {round_up(n, multiple)}); raise data.tokens_per_microbatch to at least "
-                f"{round_up(n, multiple)}, or set data.too_long = \"skip\" to drop such samples")
+                f"{key} = {budget}, but {source} samples reach {n} tokens (padded to a multiple of {multiple}: "
+                f"{round_up(n, multiple)}); raise {key} to at least {round_up(n, multiple)}, or set "
+                f"data.too_long = \"skip\" to drop such samples")
 
 
 def split_llm(n_samples: int, tokens: list[int], rows: dict[str, list[int]], dp: int, cfg: JobConfig,
@@ -109,8 +148,10 @@ def split_llm(n_samples: int, tokens: list[int], rows: dict[str, list[int]], dp:
     if budget:
         bins = assign_bins(tokens, rows, dp, m, budget, indices)
         return [[bins[r * m + k] for r in range(dp)] for k in range(m)]
-    size = n_samples // (dp * m)  # validated: the global batch divides into dp · M equal shares
-    return [[list(range((r * m + k) * size, (r * m + k + 1) * size)) for r in range(dp)] for k in range(m)]
+    # equal contiguous shares (validated: the global batch divides into dp · M); after skips, nearly equal
+    n = dp * m
+    bounds = [j * n_samples // n for j in range(n + 1)]
+    return [[list(range(bounds[r * m + k], bounds[r * m + k + 1])) for r in range(dp)] for k in range(m)]
 
 
 def split_encoder(llm_parts: list[list[int]], rows: list[int], dp: int) -> list[list[int]]:
@@ -144,7 +185,9 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     tokens = [round_up(len(s), multiple) for s in samples]
     llm_rank, llm_dp = shares["language"]
     parts = split_llm(len(samples), tokens, rows, llm_dp, cfg, indices)
-    budget = cfg.data.tokens_per_microbatch or None
+    length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
+    # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
+    padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
     micro, real = [], 0
     for llm_parts in parts:
         mine = [samples[p] for p in llm_parts[llm_rank]]
@@ -156,9 +199,9 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
             items[name] = [it.to(device) for p in enc_parts[enc_rank] for it in samples[p].items(name)]
             counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])
-        micro.append(StepBatch(collate(mine, cfg, tok, multiple, budget).to(device), items, counts))
+        micro.append(StepBatch(collate(mine, cfg, tok, multiple, length, padded_rows).to(device), items, counts))
     stats = {}
-    if budget:
+    if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
-        stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), budget).as_dict()
+        stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
     return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats)

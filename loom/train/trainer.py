@@ -18,6 +18,7 @@ from loom.train.build import (
     build_datasets,
     build_job_model,
     check_data,
+    longest_samples,
     resolve_device,
     setup_parallel,
     step_inputs,
@@ -33,7 +34,7 @@ from loom.train.checkpoint import (
 from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
-from loom.train.inputs import StepInputs, collate
+from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.step import StepResult
 
 
@@ -45,6 +46,8 @@ class Trainer:
         self.tok = ByteTokenizer()
         self.model = build_job_model(cfg, self.tok, pretrained=not cfg.run.resume).to(self.device)
         self.counters = token_counters(self.model)
+        # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
+        self.cfg = cfg = with_padded_length(cfg, longest_samples(cfg, self.tok, self.counters), layout_multiple(cfg))
         self.weight_names = set(unique_state_dict(self.model))
         self.plan = setup_parallel(self.model, cfg, self.device)
         check_data(cfg, self.plan, self.tok, self.counters)

@@ -26,6 +26,7 @@ from loom.train.build import (
     build_job_model,
     check_data,
     global_batch,
+    longest_samples,
     resolve_device,
     setup_parallel,
     step_inputs,
@@ -33,7 +34,7 @@ from loom.train.build import (
 )
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.optim import ModuleOptimizers
-from loom.train.inputs import StepInputs, collate
+from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.step import StepComms, train_step
 
 AGAINST = ("layout", "compile", "bf16")
@@ -82,6 +83,8 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     model = build_job_model(cfg, tok).to(device)
     reference = copy.deepcopy(model)  # same weights, never parallelised or compiled, fp32
     counters = token_counters(reference)
+    cfg = with_padded_length(cfg, longest_samples(cfg, tok, counters), layout_multiple(cfg))  # bshd: S fixed
+    checked = dataclasses.replace(checked, data=cfg.data)
     plan = setup_parallel(model, checked, device)
     check_data(cfg, plan, tok, counters)
     modules = [*model.encoder_names, "language"]
