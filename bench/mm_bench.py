@@ -12,7 +12,7 @@ SigLIP-so400m-shaped ViT (patch 14), a small Whisper-shaped audio encoder; image
 Prints one JSON line (rank 0): real LLM tokens/s per GPU, TFLOP/s per GPU and MFU (bench/flops.py, against
 an 8192³ bf16 matmul measured in the same run), peak memory, step time, padding fraction, and `recompiles`:
 frames torch.compile compiled after the first step (0 with fixed shapes: `--set train.compile=true --set
-data.tokens_per_microbatch=SEQ`).
+data.tokens_per_microbatch=SEQ`, or `--format bshd`, whose rows are fixed to the workload's longest sample).
 `--small` shrinks everything for a CPU smoke run (CI runs it).
 """
 
@@ -53,6 +53,14 @@ def layout_overrides(layout: str, world: int) -> list[str]:
     return ["--layout.language.tp=2", "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]
 
 
+def padded_overrides(args, shape: Shape) -> list[str]:
+    """bshd: every microbatch [rows, S] with S = data.padded_length (a later `--set data.padded_length=` wins);
+    64 is a multiple of every layout's sample multiple here."""
+    if args.format != "bshd" or args.pad_to == "step":
+        return []
+    return [f"--data.padded_length={args.seq if args.pad_to == 'seq' else -(-shape.longest // 64) * 64}"]
+
+
 def peak_matmul_tflops(device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -75,8 +83,9 @@ def main() -> None:
     p.add_argument("--layout", choices=("homogeneous", "heterogeneous"), default="homogeneous")
     p.add_argument("--format", choices=("thd", "bshd"), default="thd")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--pad-to", choices=("longest", "seq"), default="longest",
-                   help="padded (bshd) rows: to the step's longest sample, or every row to --seq tokens")
+    p.add_argument("--pad-to", choices=("longest", "step", "seq"), default="longest",
+                   help="padded (bshd) rows: fixed to the workload's longest possible sample (rounded up to 64), "
+                        "to each step's longest (shapes change), or fixed to --seq tokens")
     p.add_argument("--adam", choices=("auto", "foreach"), default="auto",
                    help="foreach: the multi-kernel AdamW instead of the fused one loom picks on GPU (A/B)")
     p.add_argument("--steps", type=int, default=8)
@@ -95,7 +104,7 @@ def main() -> None:
     sizes = SMALL_MODEL if args.small else LLM + VIT + AUDIO
     cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
-        *([f"--data.pad_to_multiple={args.seq}"] if args.format == "bshd" and args.pad_to == "seq" else []),
+        *padded_overrides(args, shape),
         f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000",
     ] + [f"--{kv}" for kv in args.set], world_size=world)
     if args.system == "loom":
@@ -141,6 +150,7 @@ def main() -> None:
             "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
             "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq, "samples_per_gpu": per_gpu,
             "pad_to": args.pad_to if args.format == "bshd" or args.system == "hf" else None, "adam": args.adam,
+            "padded_length": cfg.data.padded_length or None,
             "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(real_tokens / step_s / world, 1),
             "tflops_per_gpu": round(tflops, 1), "peak_matmul_tflops": round(peak, 1),

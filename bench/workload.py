@@ -21,6 +21,12 @@ class Shape:
     audio_frames: tuple[int, int] = (200, 600)  # mel frames (100 per second): 100–300 tokens after the conv
     mels: int = 80
 
+    @property
+    def longest(self) -> int:
+        """The longest sample `sample` can draw (<bos>, the largest image's patches, the longest clip after
+        the stride-2 conv, the longest text): known before any step, as a loom task's longest sample."""
+        return 1 + (self.image_px[1] // self.patch) ** 2 + self.audio_frames[1] // 2 + self.text[1] - 1
+
 
 SMALL = Shape(patch=4, image_px=(16, 32), text=(8, 48), audio_frames=(8, 24), mels=16)
 
