@@ -163,3 +163,19 @@ def _prod(values) -> int:
     for v in values:
         out *= v
     return out
+
+
+def test_plan_says_which_ranks_each_encoder_replica_feeds():
+    """LLM pp2·dp2 on 4 ranks: pp outermost, so its stage-0 ranks are 0 (replica 0) and 1 (replica 1)."""
+    from loom.topology.plan import bridge_lines
+
+    fan_in = bridge_lines(plan(4, "--layout.language.pp=2", "--layout.vision.tp=1", "--layout.audio.tp=1"))
+    assert [line for line in fan_in if line.startswith("vision")] == [
+        "vision replica 0 (ranks [0]) → LLM replica 0 stage 0 on ranks [0]",
+        "vision replica 1 (ranks [1]) → LLM replica 0 stage 0 on ranks [0]",
+        "vision replica 2 (ranks [2]) → LLM replica 1 stage 0 on ranks [1]",
+        "vision replica 3 (ranks [3]) → LLM replica 1 stage 0 on ranks [1]",
+    ]
+    fan_out = bridge_lines(plan(4, "--layout.language.pp=2", "--layout.vision.tp=4", "--layout.audio.tp=1"))
+    assert fan_out[0] == ("vision replica 0 (ranks [0, 1, 2, 3]) → LLM replica 0 stage 0 on ranks [0]; "
+                          "LLM replica 1 stage 0 on ranks [1]")

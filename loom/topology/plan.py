@@ -29,9 +29,32 @@ def rank_map_table(topo: Topology) -> Table:
     return table
 
 
+def bridge_lines(topo: Topology) -> list[str]:
+    """Colocated: which ranks each encoder replica's rows feed — the LLM replica's stage-0 ranks (all of its
+    ranks without pp), by the fan-in / fan-out assignment of train/inputs.py."""
+    if not topo.placement.colocated:
+        return []
+    lang = topo.grids["language"]
+    ld = lang.layout
+    first_stage = lambda d: [lang.rank_at(pp=0, dp=d, cp=c, tp=t) for c in range(ld.cp) for t in range(ld.tp)]  # noqa: E731
+    lines = []
+    for name, grid in topo.grids.items():
+        if name == "language":
+            continue
+        ed = grid.layout.dp
+        for e in range(ed):
+            ranks = [grid.rank_at(pp=0, dp=e, cp=0, tp=t) for t in range(grid.layout.tp)]
+            fed = [e * ld.dp // ed] if ed >= ld.dp else list(range(e * ld.dp // ed, (e + 1) * ld.dp // ed))
+            where = "; ".join(f"LLM replica {d}{' stage 0' if ld.pp > 1 else ''} on ranks {first_stage(d)}" for d in fed)
+            lines.append(f"{name} replica {e} (ranks {ranks}) → {where}")
+    return lines
+
+
 def print_plan(topo: Topology, console: Console | None = None) -> None:
     console = console or Console()
     console.print(rank_map_table(topo))
+    for line in bridge_lines(topo):
+        console.print(line)
 
 
 def draw_plan(topo: Topology, path: str | Path) -> Path:
