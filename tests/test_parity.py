@@ -9,7 +9,7 @@ That verify can fail — and which faults it catches — is tests/test_verify_ca
 from __future__ import annotations
 
 import pytest
-from oracle import run_verify
+from oracle import assert_all_passed, run_verify
 
 BF16 = ["--train.dtype=bf16"]
 TP = ["--layout.vision.tp={t}", "--layout.audio.tp={t}", "--layout.language.tp={t}"]
@@ -88,11 +88,4 @@ LAYOUTS = {
 def test_layout_matches_reference(worlds, name):
     world, overrides = LAYOUTS[name]
     per_rank = worlds.run(world, run_verify, overrides, timeout=300)
-    for rank, steps in enumerate(per_rank):
-        assert len(steps) == 3
-        for i, s in enumerate(steps):
-            where = f"{name} rank {rank} step {i + 1}"
-            assert s["ref_norm"] > s["clip"], f"{where}: clipping not active"
-            assert s["modules"] == ["audio", "language", "vision"]
-            assert s["passed"], f"{where}: {s['failures']}"
-        assert steps == per_rank[0], f"{name}: rank {rank} saw other numbers than rank 0"
+    assert_all_passed(name, per_rank, 3)
