@@ -251,12 +251,12 @@ def test_stages_chained_by_hand_equal_the_unsplit_model(pp, virtual, schedule):
     ranks = [split_language(copy.deepcopy(model), r, pp, virtual, schedule, None) for r in range(pp)]
     n_stages = pp * virtual if schedule != "zbv" else 2 * pp
     owner = {}
-    for r, (lm, indices) in enumerate(ranks):
+    for r, lm in enumerate(ranks):
         lm.zero_grad(set_to_none=True)
         lm.table.rows = [MicrobatchData(positions, layout, labels, inserts={})]
         lm.table.divisor = n
         lm.table.token_loss = token_loss_sum
-        for module, s in zip(lm.stages, indices):
+        for module, s in zip(lm.stages, lm.indices):
             owner[s] = module
     assert sorted(owner) == list(range(n_stages))
     mb = torch.tensor([0])
@@ -270,7 +270,7 @@ def test_stages_chained_by_hand_equal_the_unsplit_model(pp, virtual, schedule):
     # every DecoderLM parameter on exactly one rank, under the DecoderLM's name, with the same gradient
     ref_names = set(ref_grads)
     seen: dict[str, int] = {}
-    for r, (lm, _) in enumerate(ranks):
+    for r, lm in enumerate(ranks):
         for name, p in lm.named_parameters():
             assert name in ref_names, f"rank {r}: {name} is no DecoderLM parameter name"
             assert name not in seen, f"{name} on ranks {seen[name]} and {r}"
@@ -279,8 +279,8 @@ def test_stages_chained_by_hand_equal_the_unsplit_model(pp, virtual, schedule):
             torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"rank {r}: {name}")
     assert set(seen) == ref_names, f"missing: {sorted(ref_names - set(seen))}"
     # the parts sit where the stages put them: embedding with stage 0, head with the last stage
-    first_rank = next(r for r, (_, idx) in enumerate(ranks) if 0 in idx)
-    last_rank = next(r for r, (_, idx) in enumerate(ranks) if n_stages - 1 in idx)
+    first_rank = next(r for r, lm in enumerate(ranks) if 0 in lm.indices)
+    last_rank = next(r for r, lm in enumerate(ranks) if n_stages - 1 in lm.indices)
     assert seen["embed_tokens.weight"] == first_rank and seen["lm_head.weight"] == last_rank
 
 
@@ -289,8 +289,8 @@ def test_pipelined_lm_state_dict_uses_the_decoder_names():
     cfg.num_layers, cfg.tie_embeddings = 4, False
     model = DecoderLM(cfg)
     names = set(model.state_dict())
-    lm0, _ = split_language(copy.deepcopy(model), 0, 2, 1, "1f1b", [3, 1])
-    lm1, _ = split_language(copy.deepcopy(model), 1, 2, 1, "1f1b", [3, 1])
+    lm0 = split_language(copy.deepcopy(model), 0, 2, 1, "1f1b", [3, 1])
+    lm1 = split_language(copy.deepcopy(model), 1, 2, 1, "1f1b", [3, 1])
     k0, k1 = set(lm0.state_dict()), set(lm1.state_dict())
     assert k0 | k1 == names and not k0 & k1
     assert {k.split(".")[1] for k in k0 if k.startswith("layers.")} == {"0", "1", "2"}

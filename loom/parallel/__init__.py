@@ -17,12 +17,11 @@ from loom.parallel.tensor import apply_encoder_tp, apply_llm_tp, tp_unsupported
 from loom.topology import Topology
 
 
-def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_type: str) -> list[int]:
-    """Every module this rank hosts gets its own layout's PP split (the LLM), TP (on the grid's tp mesh) and
-    FSDP (dp mesh). Returns the LLM's pipeline stages this rank holds (empty without pp)."""
+def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_type: str) -> None:
+    """Every module this rank hosts gets its own layout's PP split (the LLM: `model.language` becomes this
+    rank's `PipelinedLM`), TP (on the grid's tp mesh) and FSDP (dp mesh)."""
     me = topo.role()
     mp = mixed_precision(cfg.train.dtype)
-    stage_indices: list[int] = []
     for name in (*model.encoder_names, "language"):
         if not me.hosts(name):
             continue
@@ -36,8 +35,8 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
         reshard = cfg.parallel.reshard_after_forward
         if name == "language" and lay.pp > 1:
             par = cfg.parallel
-            model.language, stage_indices = split_language(module, grid.coord(me.rank)["pp"], lay.pp,
-                                                              par.pp_virtual_stages, par.pp_schedule, par.pp_split)
+            model.language = split_language(module, grid.coord(me.rank)["pp"], lay.pp, par.pp_virtual_stages,
+                                            par.pp_schedule, par.pp_split)
             parts = model.language.stages
             # zero-bubble's deferred weight pass differentiates w.r.t. the parameters registered at that time:
             # resharded blocks would register the sharded ones, which the graph never saw (no gradient)
@@ -54,5 +53,4 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
             dims = ("dp", "cp") if lay.cp > 1 else ("dp",)
             apply_fsdp(part, transformer_blocks(name, part), grid.mesh(*dims, device_type=device_type), mp,
                        reshard, cfg.parallel.blocks_per_unit)
-    return stage_indices
 

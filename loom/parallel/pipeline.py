@@ -156,11 +156,13 @@ class LLMStage(nn.Module):
 
 
 class PipelinedLM(nn.Module):
-    """This rank's stages of the LLM, their parts registered under the DecoderLM's own names."""
+    """This rank's stages of the LLM (indices `indices` of `n_stages`), their parts registered under the
+    DecoderLM's own names."""
 
-    def __init__(self, llm: DecoderLM, stages: list[LLMStage]) -> None:
+    def __init__(self, llm: DecoderLM, stages: list[LLMStage], indices: list[int], n_stages: int) -> None:
         super().__init__()
         self.cfg = llm.cfg
+        self.indices, self.n_stages = indices, n_stages
         for name in ("embed_tokens", "norm", "lm_head"):
             part = next((getattr(s, name) for s in stages if getattr(s, name) is not None), None)
             if part is not None:
@@ -175,14 +177,14 @@ class PipelinedLM(nn.Module):
 
 
 def split_language(llm: DecoderLM, pp_rank: int, pp: int, virtual: int, schedule: str,
-                   sizes: list[int] | None) -> tuple[PipelinedLM, list[int]]:
-    """This rank's stages of `llm` (the other layers are dropped with it) and their stage indices."""
-    n_stages = pp * virtual if schedule != "zbv" else 2 * pp
+                   sizes: list[int] | None) -> PipelinedLM:
+    """This rank's stages of `llm` (the other layers are dropped with it)."""
+    n_stages = pp * virtual  # zbv: validated to 2 per rank
     layers = split_layers(llm.cfg, n_stages, sizes)
     indices = stages_of_rank(pp_rank, pp, virtual, schedule)
     table = MicrobatchTable()
     stages = [LLMStage(llm, layers[s], s == 0, s == n_stages - 1, table) for s in indices]
-    return PipelinedLM(llm, stages), indices
+    return PipelinedLM(llm, stages, indices, n_stages)
 
 
 # ---------------------------------------------------------------- the schedule
@@ -192,12 +194,12 @@ class Pipeline:
     """The schedule over this rank's stages; `run` trains one step's microbatches through it. Built at the
     first step, when the (fixed) microbatch shape is known: the schedule allocates its buffers once."""
 
-    def __init__(self, lm: PipelinedLM, indices: list[int], n_stages: int, schedule: str, microbatches: int,
-                 group: dist.ProcessGroup, device: torch.device, hidden_dtype: torch.dtype, tp_shards: int) -> None:
-        self.lm, self.indices, self.table, self.n_stages = lm, indices, lm.table, n_stages
+    def __init__(self, lm: PipelinedLM, schedule: str, microbatches: int, group: dist.ProcessGroup,
+                 device: torch.device, hidden_dtype: torch.dtype, tp_shards: int) -> None:
+        self.lm, self.indices, self.table, self.n_stages = lm, lm.indices, lm.table, lm.n_stages
         self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
         self.hidden_dtype, self.tp_shards = hidden_dtype, tp_shards  # tp_shards: tokens split over tp (SP)
-        self.first = 0 in indices  # this rank runs stage 0: it embeds and inserts the modality rows
+        self.first = 0 in self.indices  # this rank runs stage 0: it embeds and inserts the modality rows
         self.schedule = None
 
     def _build(self, ids: torch.Tensor) -> None:

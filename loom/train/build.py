@@ -127,18 +127,16 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
         return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple)
     topo = Topology.build(cfg)
     _require_supported(topo)
-    stage_indices = parallelize(model, topo, cfg, device.type)
+    parallelize(model, topo, cfg, device.type)
     me = dist.get_rank()
     lang = topo.grids["language"]
     lay = lang.layout
     shares = {m: (topo.grids[m].coord(me)["dp"], topo.grids[m].layout.dp) for m in modules}
     pipeline = None
     if lay.pp > 1:
-        par = cfg.parallel
-        n_stages = 2 * lay.pp if par.pp_schedule == "zbv" else lay.pp * par.pp_virtual_stages
         hidden_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # FSDP's param dtype
-        pipeline = Pipeline(model.language, stage_indices, n_stages, par.pp_schedule, cfg.train.microbatches,
-                            lang.group("pp"), device, hidden_dtype, lay.tp if lay.sequence_parallel else 1)
+        pipeline = Pipeline(model.language, cfg.parallel.pp_schedule, cfg.train.microbatches, lang.group("pp"),
+                            device, hidden_dtype, lay.tp if lay.sequence_parallel else 1)
         bridges = {m: FirstStageBridge(topo.grids[m], lang) for m in model.encoder_names}
     else:
         bridges = {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in model.encoder_names}

@@ -27,6 +27,9 @@ from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
 from loom.data.sample import Sample
 from loom.data.tokenizer import ByteTokenizer
+from loom.models.attention import TokenLayout
+from loom.topology.checks import sample_multiple
+from loom.topology.layout import resolve_placement
 
 COMPILED_TOKEN_MULTIPLE = 64
 
@@ -74,8 +77,6 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer, multiple:
     if length and cfg.train.compile:
         # fixed shapes, so a compiled block never recompiles: cu_seqlens of a fixed length (at most one segment
         # per sample of the global batch, plus the filler; each holds ≥ `multiple` tokens) and max_seqlen = T
-        from loom.models.attention import TokenLayout
-
         segments = min(cfg.train.global_batch_size + 1, length // multiple)
         batch.layout = TokenLayout.from_lengths(batch.layout.cu_seqlens.diff().tolist(), backend=backend,
                                                 segments=segments, max_seqlen=length)
@@ -109,9 +110,6 @@ def layout_multiple(cfg: JobConfig) -> int:
     (compile sets the encoders' row budgets from S, so S is resolved first)."""
     if not dist.is_initialized():
         return cfg.data.pad_to_multiple
-    from loom.topology.checks import sample_multiple
-    from loom.topology.layout import resolve_placement
-
     return sample_multiple(resolve_placement(cfg, dist.get_world_size()).layouts["language"], cfg)
 
 

@@ -137,16 +137,17 @@ def clip_and_check(model: nn.Module, max_norm: float,
 
 
 def _largest_over_ranks(value: float) -> float:
-    return _reduce(value, dist.ReduceOp.MAX, None)
+    return reduce_values([value], dist.ReduceOp.MAX, None)[0]
 
 
 def sum_over(value: float, group: dist.ProcessGroup | None) -> float:
     """`value` summed over `group`'s ranks (None: one process, nothing to sum)."""
-    return float(value) if group is None else _reduce(value, dist.ReduceOp.SUM, group)
+    return float(value) if group is None else reduce_values([value], dist.ReduceOp.SUM, group)[0]
 
 
-def _reduce(value: float, op, group: dist.ProcessGroup | None) -> float:
+def reduce_values(values: list[float], op, group: dist.ProcessGroup | None) -> list[float]:
+    """Host numbers reduced elementwise over `group` (None: the world), in float64."""
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"  # NCCL reduces only device tensors
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op, group=group)
-    return float(t)
+    return t.tolist()

@@ -33,7 +33,7 @@ from loom.train.build import (
     token_counters,
 )
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
-from loom.train.optim import ModuleOptimizers
+from loom.train.optim import ModuleOptimizers, reduce_values
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.step import StepComms, train_step
 
@@ -157,11 +157,11 @@ def compare_updates(before: dict, after: dict, ref_before: dict, ref_after: dict
         if name in after:
             agreement.add(after[name] - before[name], ref - ref_before[name])
     staged = [name for name in ref_after if name.startswith("language.")]
-    held = torch.tensor([float(name in after) for name in staged])
+    held = [float(name in after) for name in staged]
     if stages is not None:
-        dist.all_reduce(held, group=stages)
-    if not bool((held == 1).all()):  # each LLM weight on exactly one stage
-        wrong = [f"{name} ×{n:.0f}" for name, n in zip(staged, held.tolist()) if n != 1]
+        held = reduce_values(held, dist.ReduceOp.SUM, stages)
+    if any(n != 1 for n in held):  # each LLM weight on exactly one stage
+        wrong = [f"{name} ×{n:.0f}" for name, n in zip(staged, held) if n != 1]
         raise RuntimeError(f"verify: LLM weights not held by exactly one pipeline stage: {wrong[:5]}")
     return _over_stages(out, stages)
 
@@ -172,11 +172,9 @@ def _over_stages(agreements: dict[str, Agreement], stages: dist.ProcessGroup | N
         return agreements
     a = agreements["language"]
     # NaN → inf before MAX: a reduction may drop NaN, inf still fails
-    peaks = torch.tensor([x if x == x else math.inf for x in (a.max_diff, a.max_ref)], dtype=torch.float64)
-    sums = torch.tensor([a.sq, a.ref_sq, a.diff_sq], dtype=torch.float64)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=stages)
-    dist.all_reduce(sums, group=stages)
-    agreements["language"] = Agreement(*peaks.tolist(), *sums.tolist())
+    peaks = reduce_values([x if x == x else math.inf for x in (a.max_diff, a.max_ref)], dist.ReduceOp.MAX, stages)
+    sums = reduce_values([a.sq, a.ref_sq, a.diff_sq], dist.ReduceOp.SUM, stages)
+    agreements["language"] = Agreement(*peaks, *sums)
     return agreements
 
 
