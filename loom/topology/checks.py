@@ -38,11 +38,6 @@ def _check_language(lay: Layout, cfg: JobConfig) -> None:
     lm = cfg.model.language
     _divides(lay, "tp", {"num_heads": lm.num_heads, "num_kv_heads": lm.num_kv_heads,
                          "intermediate_size": lm.intermediate_size, "vocab_size": lm.vocab_size}, "model.language")
-    if lm.num_layers < lay.pp:
-        raise ConfigError(
-            f"language: pp = {lay.pp} exceeds model.language.num_layers = {lm.num_layers}; every pipeline stage "
-            f"needs at least one layer"
-        )
     if lay.sequence_parallel and lay.tp == 1:
         raise ConfigError("language: sequence_parallel = true needs tp > 1 (it shards tokens over the tp group)")
     _check_pipeline(lay, cfg)
