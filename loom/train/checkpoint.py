@@ -83,7 +83,7 @@ def save_sharded_as_full(
     )
     moments = {
         f"{fqn}.{key}": torch.as_tensor(value).cpu().contiguous()
-        for fqn, state in optim["state"].items()
+        for fqn, state in optim.get("state", {}).items()  # cpu_offload: empty off rank 0
         for key, value in state.items()
     }
     if stages is not None:
