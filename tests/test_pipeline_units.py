@@ -14,7 +14,7 @@ import torch.nn as nn
 from conftest import TINY_MODEL_OVERRIDES, tiny_llm_config
 
 from loom.bridge.colocated import ReplicaRows
-from loom.bridge.first_stage import step_chunks
+from loom.bridge.routes import step_chunks
 from loom.config import ConfigError, load_config
 from loom.data.batch import IGNORE_INDEX
 from loom.models.attention import TokenLayout

@@ -58,13 +58,13 @@ def _skip_on_one_rank(out_dir: str, poisoned: str) -> dict:
     param = t.model.get_parameter(poisoned)
     original, local_finite = step_mod.clip_and_check, []
 
-    def poisoned_clip_and_check(model, max_norm, staged=None):
+    def poisoned_clip_and_check(model, max_norm, share=None):
         # after backward and FSDP's reductions, before the global norm: a fault on one rank's shard only
         if rank == BAD_RANK:
             _local(param.grad).view(-1)[0] = float("nan")
         grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         local_finite.append(all(bool(g.isfinite().all()) for g in grads))
-        return original(model, max_norm, staged)
+        return original(model, max_norm, share)
 
     step_mod.clip_and_check = poisoned_clip_and_check
     try:

@@ -17,48 +17,13 @@ These are explicit calls, not autograd: every rank takes part in both, including
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from loom.bridge.colocated import ReplicaRows
+from loom.bridge.routes import consumers, producers, step_chunks
 from loom.topology.grid import Grid
 from loom.topology.layout import DIMS
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Rows [src, src + n) of encoder replica `encoder` are rows [dst, dst + n) of LLM replica `llm`."""
-
-    encoder: int
-    src: int
-    llm: int
-    dst: int
-    n: int
-
-
-def step_chunks(counts: list[ReplicaRows]) -> list[Chunk]:
-    """Every chunk of one step; `counts`: each microbatch's rows per replica on both sides."""
-    enc_dp, llm_dp = len(counts[0].encoder), len(counts[0].llm)
-    enc_done, llm_done = [0] * enc_dp, [0] * llm_dp  # rows of earlier microbatches
-    chunks = []
-    for rows in counts:
-        if enc_dp >= llm_dp:  # fan-in / equal: k encoder replicas share one LLM replica's samples, in order
-            k = enc_dp // llm_dp
-            for e in range(enc_dp):
-                d = e // k
-                before = sum(rows.encoder[d * k : e])
-                chunks.append(Chunk(e, enc_done[e], d, llm_done[d] + before, rows.encoder[e]))
-        else:  # fan-out: one encoder replica holds k LLM replicas' samples, one after another
-            k = llm_dp // enc_dp
-            for d in range(llm_dp):
-                e = d // k
-                before = sum(rows.llm[e * k : d])
-                chunks.append(Chunk(e, enc_done[e] + before, d, llm_done[d], rows.llm[d]))
-        enc_done = [a + b for a, b in zip(enc_done, rows.encoder)]
-        llm_done = [a + b for a, b in zip(llm_done, rows.llm)]
-    return [c for c in chunks if c.n]
 
 
 class FirstStageBridge:
@@ -71,10 +36,7 @@ class FirstStageBridge:
         self.group = src.group(*DIMS)  # every rank of both grids
         self.members = dist.get_process_group_ranks(self.group)
         me = dist.get_rank()
-        # encoder replica e: its ranks (rows replicated over tp); LLM replica d: its stage-0 ranks
-        self.producers = [[src.rank_at(pp=0, dp=e, cp=0, tp=t) for t in range(s.tp)] for e in range(s.dp)]
-        self.consumers = [[dst.rank_at(pp=0, dp=r, cp=c, tp=t) for c in range(d.cp) for t in range(d.tp)]
-                          for r in range(d.dp)]
+        self.producers, self.consumers = producers(src), consumers(dst)
         self.my_encoder = src.coord(me)["dp"]
         self.my_llm = dst.coord(me)["dp"] if me in self.consumers[dst.coord(me)["dp"]] else None
         self.cp_group = dst.group("cp") if d.cp > 1 and self.my_llm is not None else None

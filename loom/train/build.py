@@ -26,7 +26,7 @@ from loom.parallel.pipeline import Pipeline
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
 from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
-from loom.train.optim import freeze_modules
+from loom.train.optim import GradNormShare, freeze_modules
 from loom.train.pipeline_step import pipelined_train_step
 from loom.train.step import StepComms, StepResult, train_step
 
@@ -140,10 +140,18 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
         bridges = {m: FirstStageBridge(topo.grids[m], lang) for m in model.encoder_names}
     else:
         bridges = {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in model.encoder_names}
-    comms = StepComms(lang.group("pp", "dp", "cp"), loss_parallel=lay.tp > 1,
+    comms = StepComms(norm_share(topo, modules), adds_loss=lang.coord(me)["tp"] == 0, loss_parallel=lay.tp > 1,
                       cp_group=lang.group("cp") if lay.cp > 1 else None,
                       stage_group=lang.group("pp") if lay.pp > 1 else None)
     return RankPlan(topo, comms, shares, sample_multiple(lay, cfg), bridges, pipeline)
+
+
+def norm_share(topo: Topology, modules: list[str]) -> GradNormShare:
+    """This rank's part of the global grad norm: each module's squared norm is added by the rank at dp = cp =
+    tp = 0 of each of its pipeline stages."""
+    me = topo.role()
+    first = {m for m in me.modules if all(v == 0 for d, v in topo.grids[m].coord(me.rank).items() if d != "pp")}
+    return GradNormShare(tuple(modules), frozenset(me.modules), frozenset(first))
 
 
 def check_data(cfg: JobConfig, plan: RankPlan, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -109,40 +110,43 @@ def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_mesh.values())
 
 
-def clip_and_check(model: nn.Module, max_norm: float,
-                   staged: tuple[nn.Module, dist.ProcessGroup] | None = None) -> tuple[float, bool]:
+@dataclass(frozen=True)
+class GradNormShare:
+    """This rank's part of the one global grad norm. A module's squared norm is complete on every rank of one
+    of its pipeline stages (DTensor reduces it over the stage's dp, cp and tp), so exactly one rank per stage
+    adds it to a single world sum — colocated or not, pipelined or not, each module counted once."""
+
+    modules: tuple[str, ...]  # every module of the job, in one order: the positions of the summed vector
+    hosted: frozenset[str]  # the modules this rank holds (it takes part in their norm's reductions)
+    adds: frozenset[str]  # the hosted modules whose squared norm this rank adds (dp = cp = tp = 0)
+
+
+def clip_and_check(model: nn.Module, max_norm: float, share: GradNormShare | None = None) -> tuple[float, bool]:
     """Global grad norm (before clipping) and whether it is finite; clips only when finite and max_norm > 0.
-    `staged`: a submodule split over pipeline stages and their group: each stage holds only its own
-    parameters, so its squared norm is summed over the group (every other module is whole on every rank).
-    Under a layout every rank then takes the largest norm of all ranks (inf if one is not finite), so every
-    rank takes the same decision even when replicas of a gradient differ (a module's tp ranks each reduce
-    their own copy of the gradients of weights TP does not split: a NaN in one copy would split the ranks)."""
+    `share` (under a layout): one world all-reduce of the per-module squared norms and of a not-finite count,
+    so every rank takes the same decision even where copies of a gradient differ (a module's tp ranks each
+    reduce their own copy of the gradients of weights TP does not split: a NaN in one copy would split the
+    ranks) and across disjoint module grids (the lr stays in lockstep)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if staged is None:
+    if share is None:
         norm = float(global_grad_norm(params))
+        finite = math.isfinite(norm)
     else:
-        module, group = staged
-        mine = {id(p) for p in module.parameters()}
-        stage_sq = sum_over(float(global_grad_norm([p for p in params if id(p) in mine])) ** 2, group)
-        rest_sq = float(global_grad_norm([p for p in params if id(p) not in mine])) ** 2
-        norm = math.sqrt(stage_sq + rest_sq)
-    if dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters()):
-        norm = _largest_over_ranks(norm if math.isfinite(norm) else math.inf)
-    finite = math.isfinite(norm)
+        sq = dict.fromkeys(share.modules, 0.0)
+        for name in share.modules:
+            if name in share.hosted:  # every rank of the module: the norm's reduction is a collective
+                sq[name] = float(global_grad_norm([p for p in model.get_submodule(name).parameters()
+                                                   if p.grad is not None])) ** 2
+        not_finite = float(not all(math.isfinite(v) for v in sq.values()))
+        summed = reduce_values([v if n in share.adds else 0.0 for n, v in sq.items()] + [not_finite],
+                               dist.ReduceOp.SUM, None)
+        norm = math.sqrt(sum(summed[:-1])) if math.isfinite(sum(summed[:-1])) else math.inf
+        finite = summed[-1] == 0 and math.isfinite(norm)
     if finite and max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for grads in _grads_by_mesh(params):
             torch._foreach_mul_(grads, coef)  # a few launches, not one per parameter
     return norm, finite
-
-
-def _largest_over_ranks(value: float) -> float:
-    return reduce_values([value], dist.ReduceOp.MAX, None)[0]
-
-
-def sum_over(value: float, group: dist.ProcessGroup | None) -> float:
-    """`value` summed over `group`'s ranks (None: one process, nothing to sum)."""
-    return float(value) if group is None else reduce_values([value], dist.ReduceOp.SUM, group)[0]
 
 
 def reduce_values(values: list[float], op, group: dist.ProcessGroup | None) -> list[float]:

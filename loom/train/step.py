@@ -24,14 +24,15 @@ from loom.parallel.context import shard_for_context
 from loom.parallel.fsdp import set_gradient_sync
 from loom.train.inputs import StepBatch, StepInputs
 from loom.train.loss import loss_function
-from loom.train.optim import clip_and_check, set_lr, sum_over
+from loom.train.optim import GradNormShare, clip_and_check, reduce_values, set_lr
 
 
 @dataclass
 class StepComms:
-    # ranks whose losses add up to the step's: the LLM's dp × cp (× pp, where only the last stage's count);
-    # None: one process
-    loss_group: dist.ProcessGroup | None = None
+    """Where a step's reductions go; the defaults are one process's (nothing to reduce)."""
+
+    norm_share: GradNormShare | None = None  # this rank's part of the world's one grad-norm sum
+    adds_loss: bool = False  # this rank adds its loss to the world's sum (LLM ranks at tp 0; zero off the last stage)
     loss_parallel: bool = False  # logits arrive vocab-sharded (LLM tp > 1)
     cp_group: dist.ProcessGroup | None = None  # the LLM's context-parallel group, when cp > 1
     stage_group: dist.ProcessGroup | None = None  # the LLM's pipeline group, when pp > 1
@@ -107,9 +108,10 @@ def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: 
     when the norm is not finite); `loss`: this rank's part of the step's mean loss."""
     if inspect_grads is not None:
         inspect_grads(model)
-    staged = (model.language, comms.stage_group) if comms.stage_group is not None else None
-    norm, finite = clip_and_check(model, cfg.grad_clip, staged)
+    norm, finite = clip_and_check(model, cfg.grad_clip, comms.norm_share)
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(sum_over(loss, comms.loss_group), norm, lr, not finite)
+    if comms.norm_share is not None:  # under a layout: every rank reports the step's loss
+        loss = reduce_values([loss if comms.adds_loss else 0.0], dist.ReduceOp.SUM, None)[0]
+    return StepResult(loss, norm, lr, not finite)

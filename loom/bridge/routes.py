@@ -1,0 +1,61 @@
+"""Which rows of which encoder replica go to which LLM ranks: the routing both first-stage bridges share
+(the colocated three-phase one, bridge/first_stage.py, and the point-to-point one, bridge/p2p.py).
+
+An encoder replica's rows are replicated over its tp ranks; the LLM replica that owns their samples inserts
+them on every one of its stage-0 ranks (all cp and tp ranks). Which encoder replica holds which LLM
+replica's samples is the fan-in / fan-out / equal assignment of train/inputs.py `split_encoder`, microbatch
+after microbatch; row counts come from host data, so every rank derives every chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.bridge.colocated import ReplicaRows
+from loom.topology.grid import Grid
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [src, src + n) of encoder replica `encoder` are rows [dst, dst + n) of LLM replica `llm`."""
+
+    encoder: int
+    src: int
+    llm: int
+    dst: int
+    n: int
+
+
+def step_chunks(counts: list[ReplicaRows]) -> list[Chunk]:
+    """Every chunk of one step; `counts`: each microbatch's rows per replica on both sides."""
+    enc_dp, llm_dp = len(counts[0].encoder), len(counts[0].llm)
+    enc_done, llm_done = [0] * enc_dp, [0] * llm_dp  # rows of earlier microbatches
+    chunks = []
+    for rows in counts:
+        if enc_dp >= llm_dp:  # fan-in / equal: k encoder replicas share one LLM replica's samples, in order
+            k = enc_dp // llm_dp
+            for e in range(enc_dp):
+                d = e // k
+                before = sum(rows.encoder[d * k : e])
+                chunks.append(Chunk(e, enc_done[e], d, llm_done[d] + before, rows.encoder[e]))
+        else:  # fan-out: one encoder replica holds k LLM replicas' samples, one after another
+            k = llm_dp // enc_dp
+            for d in range(llm_dp):
+                e = d // k
+                before = sum(rows.llm[e * k : d])
+                chunks.append(Chunk(e, enc_done[e] + before, d, llm_done[d], rows.llm[d]))
+        enc_done = [a + b for a, b in zip(enc_done, rows.encoder)]
+        llm_done = [a + b for a, b in zip(llm_done, rows.llm)]
+    return [c for c in chunks if c.n]
+
+
+def producers(src: Grid) -> list[list[int]]:
+    """Encoder replica e → its ranks (its rows are replicated over tp; an encoder is not pipelined)."""
+    s = src.layout
+    return [[src.rank_at(pp=0, dp=e, cp=0, tp=t) for t in range(s.tp)] for e in range(s.dp)]
+
+
+def consumers(dst: Grid) -> list[list[int]]:
+    """LLM replica d → its stage-0 ranks, cp-major: the first one holds the cp-summed row gradients."""
+    d = dst.layout
+    return [[dst.rank_at(pp=0, dp=r, cp=c, tp=t) for c in range(d.cp) for t in range(d.tp)] for r in range(d.dp)]
