@@ -125,6 +125,8 @@ class ParallelConfig:
     pp_schedule: str = choice("1f1b", "1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
     pp_virtual_stages: int = 1  # stages per pp rank (interleaved_1f1b, zero_bubble: ≥ 2 cuts the bubble; zbv: 2)
     pp_split: list[int] = field(default_factory=list)  # layers per stage, e.g. [5, 7]; empty: balanced by cost
+    # FSDP2 under pp: reduce-scatter once per step (unsharded grads held) or per microbatch (sharded, M× traffic)
+    pp_grad_reduce: str = choice("step", "step", "microbatch")
 
 
 @dataclass

@@ -94,3 +94,22 @@ def test_multimodal_table_small_runs_every_contender(tmp_path):
     assert padded == {"longest": round(1 - sum(rank0) / (2 * fixed), 4), "seq": round(1 - sum(rank0) / (2 * 256), 4)}
     table = subprocess.run([sys.executable, "-m", "bench.table", str(out)], capture_output=True, text=True, env=env)
     assert table.returncode == 0 and len(table.stdout.splitlines()) == 2 + len(rows)
+
+
+def test_pipeline_grad_reduce_rows_small_run_on_four_cpu_ranks(tmp_path):
+    """bench/run_pipeline.sh gradreduce, --small on 4 CPU ranks: both pp2·dp2 rows (FSDP2 reducing once per step,
+    and after every microbatch) run, report step times and recompiles, and train the same model on the same
+    samples to the same loss."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "EXTRA": "--small", "SEQ": "256",
+           "STEPS": "1", "WARMUP": "1"}
+    out = tmp_path / "pp.jsonl"
+    run = subprocess.run(["bash", "bench/run_pipeline.sh", str(out), "gradreduce"], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0 and "failed" not in run.stderr, run.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["overrides"][-1] for r in rows] == ["parallel.pp_grad_reduce=step", "parallel.pp_grad_reduce=microbatch"]
+    for r in rows:
+        assert "layout.language.pp=2" in r["overrides"] and "train.microbatches=8" in r["overrides"]
+        assert r["gpus"] == 4 and r["recompiles"] == 0
+        assert 0 < r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-3  # one optimizer step behind each: the same numbers

@@ -1,6 +1,7 @@
 """A pipelined LLM equals the one-process reference: loss, grad norms, each module's gradients and weight
 updates, on N gloo ranks, for every schedule and with TP/SP, CP (packed), DP and the three-phase step
-(colocated encoders feeding the LLM's first stage). The reference runs the whole global batch at once.
+(colocated encoders feeding the LLM's first stage), with FSDP2 reducing gradients once per step or after
+every microbatch. The reference runs the whole global batch at once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ def pp(p: int, m: int, schedule: str = "1f1b", virtual: int = 1, tokens: int = 5
 
 
 ENCODERS_DP = ["--layout.vision.tp=1", "--layout.audio.tp=1"]
+PER_MICROBATCH = ["--parallel.pp_grad_reduce=microbatch"]
 
 # (world size, overrides); the default model has 4 LLM layers
 LAYOUTS = {
@@ -30,6 +32,9 @@ LAYOUTS = {
     "pp2xtp2-sp": (4, pp(2, 2) + ["--layout.language.tp=2", "--layout.language.sequence_parallel=true"]),
     "pp2xcp2-packed": (4, pp(2, 2) + ["--layout.language.cp=2"]),
     "pp2xdp2": (4, pp(2, 2) + ENCODERS_DP),
+    # FSDP2 reduce-scatters (and reshards) after every microbatch's backward instead of once per step
+    "pp2xdp2-m4-grad-per-microbatch": (4, pp(2, 4, tokens=256) + ENCODERS_DP + PER_MICROBATCH),
+    "pp2xcp2-grad-per-microbatch": (4, pp(2, 2) + ["--layout.language.cp=2"] + PER_MICROBATCH),
     # the three-phase step: encoders on every rank, their rows to the LLM's stage-0 ranks
     "encoders-dp4-llm-pp2xdp2": (4, pp(2, 4, tokens=256) + ENCODERS_DP),
     "encoders-tp2xdp2-llm-pp2xtp2": (4, pp(2, 2) + ["--layout.vision.tp=2", "--layout.audio.tp=2",
@@ -42,6 +47,45 @@ def test_pipeline_matches_reference(worlds, name):
     world, overrides = LAYOUTS[name]
     per_rank = worlds.run(world, run_verify, overrides, 2, timeout=300)
     assert_all_passed(name, per_rank, 2)
+
+
+def _reductions_in_one_step(grad_reduce: str) -> dict[str, int]:
+    """One pipelined training step; how many times FSDP2 reduced each of this rank's LLM parameter groups."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+    from loom.config import load_config
+    from loom.train.trainer import Trainer
+
+    cfg = load_config(None, ["--train.global_batch_size=8", "--data.train_size=200"] + pp(2, 4, tokens=256)
+                      + [f"--parallel.pp_grad_reduce={grad_reduce}"], world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    llm = {id(p): name for name, p in trainer.model.language.named_parameters()}
+    counts: dict[str, int] = {}
+    original = param_group.foreach_reduce
+
+    def counting(fsdp_params, *args, **kwargs):
+        name = llm.get(id(fsdp_params[0].sharded_param))  # a group named by its first parameter
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+        return original(fsdp_params, *args, **kwargs)
+
+    param_group.foreach_reduce = counting
+    try:
+        trainer.train_step()
+    finally:
+        param_group.foreach_reduce = original
+    return counts
+
+
+@pytest.mark.parametrize("grad_reduce,per_step", [("step", 1), ("microbatch", 4)])
+def test_pipeline_reduces_gradients_once_per_step_or_per_microbatch(worlds, grad_reduce, per_step):
+    """M = 4: "step" reduces each LLM parameter group once, "microbatch" once after each microbatch — never
+    a second time at the schedule's end (parity alone cannot tell the two apart)."""
+    per_rank = worlds.run(2, _reductions_in_one_step, grad_reduce, timeout=300)
+    for rank, counts in enumerate(per_rank):
+        assert counts, f"rank {rank}: no LLM gradient reduction seen"
+        assert set(counts.values()) == {per_step}, f"rank {rank}: {counts}"
 
 
 def _train_and_save(out_dir: str) -> dict:

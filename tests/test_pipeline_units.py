@@ -324,6 +324,9 @@ def test_valid_pipelined_configs_load():
     load_config(None, _pp_overrides("--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2"), world_size=2)
     load_config(None, _pp_overrides("--parallel.pp_schedule=gpipe", m=1), world_size=2)
     load_config(None, _pp_overrides(pp=4, world=4, m=4), world_size=4)
+    load_config(None, _pp_overrides("--parallel.pp_grad_reduce=microbatch"), world_size=2)
+    load_config(None, _pp_overrides("--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2",
+                                    "--parallel.pp_grad_reduce=microbatch", m=4), world_size=2)
 
 
 REJECTED = {
@@ -358,6 +361,18 @@ REJECTED = {
     "tied-embeddings": (_pp_overrides("--model.language.tie_embeddings=true"), 2,
                         ["model.language.tie_embeddings", "pp > 1"]),
     "encoder-pp": (_pp_overrides("--layout.vision.pp=2"), 2, ["vision", "pp = 2", "unpipelined"]),
+    "grad-reduce-unknown": (_pp_overrides("--parallel.pp_grad_reduce=sometimes"), 2,
+                            ["parallel.pp_grad_reduce", "'sometimes'", "'step'", "'microbatch'"]),
+    "grad-reduce-microbatch-zbv": (_pp_overrides("--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2",
+                                                 "--parallel.pp_grad_reduce=microbatch"), 2,
+                                   ["parallel.pp_grad_reduce = 'microbatch'", "'zbv'", "pp_grad_reduce = 'step'"]),
+    "grad-reduce-microbatch-zero-bubble": (_pp_overrides("--parallel.pp_schedule=zero_bubble",
+                                                         "--parallel.pp_virtual_stages=2",
+                                                         "--parallel.pp_grad_reduce=microbatch", m=4), 2,
+                                           ["parallel.pp_grad_reduce = 'microbatch'", "'zero_bubble'",
+                                            "'interleaved_1f1b'"]),
+    "grad-reduce-without-pp": (_pp_overrides("--parallel.pp_grad_reduce=microbatch", pp=1, world=1), 1,
+                               ["parallel.pp_grad_reduce = 'microbatch'", "pp > 1"]),
     "virtual-without-pp": (_pp_overrides("--parallel.pp_virtual_stages=2", pp=1, world=1), 1,
                            ["parallel.pp_virtual_stages", "pp > 1"]),
     "split-without-pp": (_pp_overrides("--parallel.pp_split=[2, 2]", pp=1, world=1), 1,

@@ -15,6 +15,10 @@ microbatch's positions, token layout (cu_seqlens, CP shard), labels and modality
 fills from host data before the schedule runs — only the hidden states travel between stages.
 Losses: the last stage returns the microbatch's summed token loss divided by the step's *global*
 supervised-token count, so the schedule's own gradient scaling stays off (`scale_grads=False`).
+Gradient reduction (`parallel.pp_grad_reduce`): "step" is PipelineStage's own — FSDP2's sync off for every
+microbatch, one reduce-scatter per block after the last (unsharded gradients held through the step);
+"microbatch" keeps FSDP2's sync on (`ShardedGradStage`): each microbatch's backward reduce-scatters and
+reshards, so memory stays sharded for M× the reduce-scatter traffic.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -33,6 +38,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from loom.models.attention import TokenLayout
@@ -190,14 +196,33 @@ def split_language(llm: DecoderLM, pp_rank: int, pp: int, virtual: int, schedule
 # ---------------------------------------------------------------- the schedule
 
 
+class ShardedGradStage(PipelineStage):
+    """A stage whose FSDP2 module reduce-scatters its gradients and reshards after every microbatch's
+    backward, as FSDP2 does without a pipeline (`parallel.pp_grad_reduce = "microbatch"`). The schedule's
+    closing `perform_reduce_grad` then finds no unsharded gradient left and reduces nothing a second time."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type != "full":  # rejected by config (topology/checks.py): say so rather than reduce wrongly
+            raise RuntimeError(f"pp_grad_reduce = 'microbatch' runs full backwards only, got {backward_type!r}")
+        # by hand: PipelineStage turns FSDP2's sync off for every microbatch and has no switch to keep it on
+        self.submod.set_requires_gradient_sync(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_is_last_backward(False)  # FSDP2 waits for the reductions once, in perform_reduce_grad
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
 class Pipeline:
     """The schedule over this rank's stages; `run` trains one step's microbatches through it. Built at the
     first step, when the (fixed) microbatch shape is known: the schedule allocates its buffers once."""
 
     def __init__(self, lm: PipelinedLM, schedule: str, microbatches: int, group: dist.ProcessGroup,
-                 device: torch.device, hidden_dtype: torch.dtype, tp_shards: int) -> None:
+                 device: torch.device, hidden_dtype: torch.dtype, tp_shards: int, grad_reduce: str = "step") -> None:
         self.lm, self.indices, self.table, self.n_stages = lm, lm.indices, lm.table, lm.n_stages
         self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
+        self.stage_class = ShardedGradStage if grad_reduce == "microbatch" else PipelineStage
         self.hidden_dtype, self.tp_shards = hidden_dtype, tp_shards  # tp_shards: tokens split over tp (SP)
         self.first = 0 in self.indices  # this rank runs stage 0: it embeds and inserts the modality rows
         self.schedule = None
@@ -213,8 +238,8 @@ class Pipeline:
             inputs = meta(ids.shape, ids.dtype) if s == 0 else meta(hidden, self.hidden_dtype).requires_grad_()
             last = s == self.n_stages - 1
             outputs = (meta((), torch.float32) if last else meta(hidden, self.hidden_dtype)).requires_grad_()
-            stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=inputs,
-                                        output_args=outputs, group=self.group))
+            stages.append(self.stage_class(module, s, self.n_stages, self.device, input_args=inputs,
+                                           output_args=outputs, group=self.group))
         cls = SCHEDULES[self.schedule_name]
         # the last stage's loss is already divided by the global token count: nothing to scale
         self.schedule = cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages, self.microbatches,

@@ -66,6 +66,10 @@ def _check_pipeline(lay: Layout, cfg: JobConfig) -> None:
         if par.pp_virtual_stages != 1 or par.pp_split:
             raise ConfigError("parallel.pp_virtual_stages / parallel.pp_split apply to a pipelined LLM; set "
                               "layout.language.pp > 1 or remove them")
+        if par.pp_grad_reduce != "step":
+            raise ConfigError(f"parallel.pp_grad_reduce = {par.pp_grad_reduce!r} applies to a pipelined LLM (without "
+                              f"pp FSDP2 reduces once per step, after the last microbatch); set layout.language.pp > 1 "
+                              f"or remove it")
         return
     v, schedule = par.pp_virtual_stages, par.pp_schedule
     stages = lay.pp * v
@@ -80,6 +84,12 @@ def _check_pipeline(lay: Layout, cfg: JobConfig) -> None:
         raise ConfigError(f"parallel.pp_schedule = {schedule!r} with pp = {lay.pp} needs train.microbatches "
                           f"{micro_rule} (every stage busy in the steady state), got {m}; use "
                           f"train.microbatches = {max(lay.pp, -(-m // lay.pp) * lay.pp)}")
+    if par.pp_grad_reduce == "microbatch" and schedule in ("zero_bubble", "zbv"):
+        raise ConfigError(f"parallel.pp_grad_reduce = 'microbatch' with parallel.pp_schedule = {schedule!r}: zero-bubble "
+                          f"schedules defer each microbatch's weight gradients past its input backward, after which "
+                          f"FSDP2 would reduce-scatter and reshard, so the weight pass would see parameters its graph "
+                          f"never used; use pp_grad_reduce = 'step', or pp_schedule = 'interleaved_1f1b' (or '1f1b') "
+                          f"with 'microbatch'")
     split = par.pp_split
     if split and (len(split) != stages or sum(split) != lm.num_layers or min(split) < 1):
         raise ConfigError(f"parallel.pp_split = {split}: expected {stages} stage sizes (pp · pp_virtual_stages), "

@@ -136,7 +136,7 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
     if lay.pp > 1:
         hidden_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # FSDP's param dtype
         pipeline = Pipeline(model.language, cfg.parallel.pp_schedule, cfg.train.microbatches, lang.group("pp"),
-                            device, hidden_dtype, lay.tp if lay.sequence_parallel else 1)
+                            device, hidden_dtype, lay.tp if lay.sequence_parallel else 1, cfg.parallel.pp_grad_reduce)
         bridges = {m: FirstStageBridge(topo.grids[m], lang) for m in model.encoder_names}
     else:
         bridges = {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in model.encoder_names}
