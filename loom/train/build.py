@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from loom.bridge.colocated import ColocatedBridge
 from loom.bridge.first_stage import FirstStageBridge
+from loom.bridge.p2p import P2PBridge, gradient_return_group
 from loom.config import ConfigError, JobConfig
 from loom.data.format import TokenCounter, to_sample
 from loom.data.loader import GlobalBatches
@@ -23,10 +24,12 @@ from loom.parallel import parallelize
 from loom.parallel.checkpointing import checkpoint_blocks
 from loom.parallel.compile import compile_blocks
 from loom.parallel.pipeline import Pipeline
+from loom.parallel.tied import TiedEmbedding, tied_embedding_group
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
 from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
 from loom.train.optim import GradNormShare, freeze_modules
+from loom.train.noncolocated_step import encoder_train_step, encoder_warmup, llm_train_step
 from loom.train.pipeline_step import pipelined_train_step
 from loom.train.step import StepComms, StepResult, train_step
 
@@ -86,8 +89,11 @@ class RankPlan:
     comms: StepComms
     shares: dict[str, tuple[int, int]]  # module → (dp rank, dp size)
     sample_multiple: int  # every sample's tokens are padded to a multiple of this (2·cp, ·tp under SP)
-    bridges: dict[str, ColocatedBridge | FirstStageBridge] = field(default_factory=dict)
+    bridges: dict[str, ColocatedBridge | FirstStageBridge | P2PBridge] = field(default_factory=dict)
     pipeline: Pipeline | None = None  # the LLM's schedule over this rank's stages, when pp > 1
+    hosted: tuple[str, ...] = ()  # the modules this rank holds (all of them unless non-colocated)
+    rows_like: torch.Tensor | None = None  # non-colocated: the dtype, device and width of the bridged rows
+    encoder_warmup: int = 0  # non-colocated: microbatches an encoder rank runs ahead (noncolocated_step.py)
 
     @property
     def distributed(self) -> bool:
@@ -101,6 +107,12 @@ class RankPlan:
                    device: torch.device, inspect_grads=None) -> StepResult:
         """One optimizer step of this rank's layout: microbatch after microbatch, or the three-phase step
         around the LLM's pipeline schedule."""
+        if self.rows_like is not None:  # non-colocated
+            if "language" not in self.hosted:
+                return encoder_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
+                                          list(self.hosted), self.encoder_warmup, self.rows_like, inspect_grads)
+            return llm_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
+                                  self.rows_like, inspect_grads)
         if self.pipeline is not None:
             return pipelined_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.pipeline,
                                         self.bridges, inspect_grads)
@@ -124,26 +136,48 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
     # after compile (the compiled forward runs inside the checkpoint); TP/FSDP hooks stay outside it
     checkpoint_blocks(model, modules, cfg.train.activation_checkpointing, cfg.train.compile)
     if not dist.is_initialized():
-        return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple)
+        return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple, hosted=tuple(modules))
     topo = Topology.build(cfg)
     _require_supported(topo)
+    tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
+    me = topo.role()
+    for name in modules:  # non-colocated: a rank keeps only the modules it hosts
+        if not me.hosts(name):
+            delattr(model, name)
     parallelize(model, topo, cfg, device.type)
-    me = dist.get_rank()
     lang = topo.grids["language"]
-    lay = lang.layout
-    shares = {m: (topo.grids[m].coord(me)["dp"], topo.grids[m].layout.dp) for m in modules}
+    lay, hosts_llm = lang.layout, me.hosts("language")
+    shares = {m: (topo.grids[m].coord(me.rank)["dp"] if me.hosts(m) else None, topo.grids[m].layout.dp)
+              for m in modules}
+    hidden_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # FSDP's param dtype
     pipeline = None
-    if lay.pp > 1:
-        hidden_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # FSDP's param dtype
+    if lay.pp > 1 and hosts_llm:
+        tied = TiedEmbedding(model.language, tied_group) if cfg.model.language.tie_embeddings else None
         pipeline = Pipeline(model.language, cfg.parallel.pp_schedule, cfg.train.microbatches, lang.group("pp"),
-                            device, hidden_dtype, lay.tp if lay.sequence_parallel else 1, cfg.parallel.pp_grad_reduce)
-        bridges = {m: FirstStageBridge(topo.grids[m], lang) for m in model.encoder_names}
-    else:
-        bridges = {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in model.encoder_names}
-    comms = StepComms(norm_share(topo, modules), adds_loss=lang.coord(me)["tp"] == 0, loss_parallel=lay.tp > 1,
-                      cp_group=lang.group("cp") if lay.cp > 1 else None,
-                      stage_group=lang.group("pp") if lay.pp > 1 else None)
-    return RankPlan(topo, comms, shares, sample_multiple(lay, cfg), bridges, pipeline)
+                            device, hidden_dtype, lay.tp if lay.sequence_parallel else 1, cfg.parallel.pp_grad_reduce,
+                            tied)
+    comms = StepComms(norm_share(topo, modules), adds_loss=hosts_llm and lang.coord(me.rank)["tp"] == 0,
+                      loss_parallel=lay.tp > 1, cp_group=lang.group("cp") if hosts_llm and lay.cp > 1 else None,
+                      stage_group=lang.group("pp") if hosts_llm and lay.pp > 1 else None)
+    plan = RankPlan(topo, comms, shares, sample_multiple(lay, cfg), _bridges(topo, model, cfg), pipeline,
+                    me.modules)
+    if not topo.placement.colocated:
+        plan.rows_like = torch.empty((0, cfg.model.language.hidden_size), dtype=hidden_dtype, device=device)
+        plan.encoder_warmup = encoder_warmup(cfg.parallel.pp_schedule, lay.pp * cfg.parallel.pp_virtual_stages,
+                                             cfg.train.microbatches)
+    return plan
+
+
+def _bridges(topo: Topology, model: MultimodalModel, cfg: JobConfig) -> dict:
+    """Each encoder's bridge to the LLM: point-to-point between disjoint grids, or, colocated, into the
+    LLM's first pipeline stage (pp > 1) or into its replicas (pp = 1). Built on every rank, in one order."""
+    lang, names = topo.grids["language"], model.encoder_names
+    if not topo.placement.colocated:
+        rows_group, grads_group = dist.group.WORLD, gradient_return_group()
+        return {m: P2PBridge(topo.grids[m], lang, rows_group, grads_group, i, len(names)) for i, m in enumerate(names)}
+    if lang.layout.pp > 1:
+        return {m: FirstStageBridge(topo.grids[m], lang) for m in names}
+    return {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in names}
 
 
 def norm_share(topo: Topology, modules: list[str]) -> GradNormShare:
@@ -177,6 +211,6 @@ def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: 
 
 
 def _require_supported(topo: Topology) -> None:
-    if not topo.placement.colocated:
-        raise ConfigError("non-colocated placement validates and plans, but training it is not built yet")
+    if not topo.placement.colocated and topo.grids["language"].layout.pp > 1:
+        raise ConfigError("a pipelined LLM (pp > 1) on its own ranks is not built yet")
 

@@ -38,7 +38,7 @@ COMPILED_TOKEN_MULTIPLE = 64
 class StepBatch:
     """One microbatch on this rank: the LLM's part as a batch, each encoder's part as its items."""
 
-    llm: Batch
+    llm: Batch | None  # None on a rank that does not host the LLM (non-colocated)
     encoder_items: dict[str, list[torch.Tensor]]  # per encoder, in placeholder order of its part
     rows: dict[str, ReplicaRows] = field(default_factory=dict)  # per encoder (none on one process)
 
@@ -54,10 +54,11 @@ class StepInputs:
     supervised: int  # supervised tokens of the whole global batch: every microbatch's loss divides by it
     tokens: int  # real (non-padding) LLM tokens of this rank's replica over the step
     stats: dict[str, float] = field(default_factory=dict)  # bin balance and fill (with a token budget)
+    global_tokens: int = 0  # real LLM tokens of the whole global batch (every rank knows it)
 
     @staticmethod
     def of(batch: Batch, tokens: int = 0) -> StepInputs:
-        return StepInputs([StepBatch.of(batch)], batch.num_supervised, tokens)
+        return StepInputs([StepBatch.of(batch)], batch.num_supervised, tokens, global_tokens=tokens)
 
 
 def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer, multiple: int | None = None,
@@ -178,7 +179,9 @@ def balanced_runs(positions: list[int], rows: list[int], k: int) -> list[list[in
 def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: ByteTokenizer,
                 counters: dict[str, TokenCounter], shares: dict[str, tuple[int, int]], multiple: int,
                 device: torch.device) -> StepInputs:
-    """This rank's microbatches of global batch `samples`; `shares`: module → (its dp rank, its dp size)."""
+    """This rank's microbatches of global batch `samples`; `shares`: module → (its dp rank, its dp size); the dp
+    rank is None for a module this rank does not host (non-colocated): it gets no items (no LLM batch), but
+    the row counts, which the bridges need on both sides."""
     rows = {n: [sum(c(item) for item in s.items(n)) for s in samples] for n, c in counters.items()}
     tokens = [round_up(len(s), multiple) for s in samples]
     llm_rank, llm_dp = shares["language"]
@@ -188,18 +191,20 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
     micro, real = [], 0
     for llm_parts in parts:
-        mine = [samples[p] for p in llm_parts[llm_rank]]
+        mine = [samples[p] for p in llm_parts[llm_rank]] if llm_rank is not None else []
         real += sum(len(s) for s in mine)
         items, counts = {}, {}
         for name in counters:
             enc_rank, enc_dp = shares[name]
             enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
-            items[name] = [it.to(device) for p in enc_parts[enc_rank] for it in samples[p].items(name)]
+            if enc_rank is not None:
+                items[name] = [it.to(device) for p in enc_parts[enc_rank] for it in samples[p].items(name)]
             counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])
-        micro.append(StepBatch(collate(mine, cfg, tok, multiple, length, padded_rows).to(device), items, counts))
+        llm = collate(mine, cfg, tok, multiple, length, padded_rows).to(device) if llm_rank is not None else None
+        micro.append(StepBatch(llm, items, counts))
     stats = {}
     if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
         stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
-    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats)
+    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats, sum(len(s) for s in samples))

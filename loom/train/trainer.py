@@ -53,7 +53,7 @@ class Trainer:
         check_data(cfg, self.plan, self.tok, self.counters)
         if self.plan.distributed and cfg.run.resume:
             raise NotImplementedError("run.resume under torchrun is not supported yet; resume on one process")
-        self.optimizer = ModuleOptimizers(self.model, [*self.model.encoder_names, "language"], cfg.train)
+        self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
         self.step = 0
         self.train_set, self.heldout = build_datasets(cfg)
         self.batches = build_batches(cfg, self.train_set, self.tok, self.counters)
@@ -67,7 +67,7 @@ class Trainer:
             inputs = step_inputs(self.batches, self.step, self.plan, self.cfg, self.tok, self.counters, self.device)
         else:
             inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
-        self.last_tokens, self.last_stats = inputs.tokens, inputs.stats
+        self.last_tokens, self.last_stats = inputs.global_tokens, inputs.stats
         result = self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, self.step, self.device)
         self.step += 1
         return result
@@ -83,7 +83,7 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 r = self.train_step()
-                tokens += self.last_tokens * self.plan.shares["language"][1]  # replicas hold about the same
+                tokens += self.last_tokens
                 elapsed = time.perf_counter() - t0
                 log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped),
                                     **self.last_stats})

@@ -33,7 +33,7 @@ from loom.train.build import (
     token_counters,
 )
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
-from loom.train.optim import ModuleOptimizers, reduce_values
+from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.step import StepComms, train_step
 
@@ -87,12 +87,12 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     checked = dataclasses.replace(checked, data=cfg.data)
     plan = setup_parallel(model, checked, device)
     check_data(cfg, plan, tok, counters)
-    modules = [*model.encoder_names, "language"]
-    optimizer, ref_optimizer = ModuleOptimizers(model, modules, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
+    modules = [*reference.encoder_names, "language"]
+    optimizer, ref_optimizer = ModuleOptimizers(model, plan.hosted, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
     batches = build_batches(cfg, build_datasets(cfg)[0], tok, counters)
     eager_fp32 = dataclasses.replace(cfg.train, compile=False, dtype="fp32")
     out = console or Console(width=170)
-    stages = plan.comms.stage_group  # a pipelined LLM: each rank compares its stages' weights, then they add up
+    share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
     checks = []
     for step in range(steps):
         mine = step_inputs(batches, step, plan, checked, tok, counters, device)
@@ -106,8 +106,9 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
                 f"there is nothing to verify against; lower train.lr or check the data")
         before, grads, notes = parameters(model), {}, []
         r = plan.train_step(model, optimizer, mine, checked, step, device,
-                            inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, stages)))
-        updates = compare_updates(before, parameters(model), ref_before, parameters(reference), stages)
+                            inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)))
+        updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
+                                  tied_copies(model))
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
                                 {m: ModuleCheck(grads.get(m), updates[m]) for m in updates}, tolerances, notes))
     if plan.is_logger:
@@ -131,51 +132,66 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def tied_copies(model: torch.nn.Module) -> dict[str, str]:
+    """This rank's copies of a weight the reference shares, by name → the reference's name: a pipelined LLM's
+    head copy of the tied embedding (parallel/tied.py)."""
+    language = getattr(model, "language", None)
+    return {f"language.{k}": f"language.{v}" for k, v in getattr(language, "tied_copies", {}).items()}
+
+
 def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], notes: list[str],
-                      stages: dist.ProcessGroup | None = None) -> dict[str, Agreement]:
+                      share: GradNormShare | None = None) -> dict[str, Agreement]:
     """Per module: the layout's whole gradients (gathered over its shards and replicas) against the
     reference's, before clipping. A gradient present on one side only is noted as a failure."""
     out: dict[str, Agreement] = {}
+    twins = tied_copies(model)
     for name, p in model.named_parameters():
-        module = name.split(".", 1)[0]
-        if (p.grad is None) != (name not in ref_grads):
+        module, ref_name = name.split(".", 1)[0], twins.get(name, name)
+        if (p.grad is None) != (ref_name not in ref_grads):
             notes.append(f"{module}: {name} has a gradient on {'the reference' if p.grad is None else 'the layout'} only")
             continue
         if p.grad is not None:
-            out.setdefault(module, Agreement()).add(_full(p.grad), ref_grads[name])
-    return _over_stages(out, stages)
+            out.setdefault(module, Agreement()).add(_full(p.grad), ref_grads[ref_name], twin=name in twins)
+    return _over_world(out, share)
 
 
 def compare_updates(before: dict, after: dict, ref_before: dict, ref_after: dict,
-                    stages: dist.ProcessGroup | None = None) -> dict[str, Agreement]:
-    """Per module: the step's weight change against the reference's (frozen: both must be zero). Under a
-    pipelined LLM this rank holds only its stages' weights; every reference weight must be on some stage."""
+                    share: GradNormShare | None = None, twins: dict[str, str] | None = None) -> dict[str, Agreement]:
+    """Per module: the step's weight change against the reference's (frozen: both must be zero). A rank holds
+    only its modules' weights, and of a pipelined one only its stages'; every reference weight must be held
+    by exactly one of the ranks that report for their module's stage."""
     out: dict[str, Agreement] = {}
     for name, ref in ref_after.items():
         module = name.split(".", 1)[0]
-        agreement = out.setdefault(module, Agreement())
-        if name in after:
-            agreement.add(after[name] - before[name], ref - ref_before[name])
-    staged = [name for name in ref_after if name.startswith("language.")]
-    held = [float(name in after) for name in staged]
-    if stages is not None:
-        held = reduce_values(held, dist.ReduceOp.SUM, stages)
-    if any(n != 1 for n in held):  # each LLM weight on exactly one stage
-        wrong = [f"{name} ×{n:.0f}" for name, n in zip(staged, held) if n != 1]
-        raise RuntimeError(f"verify: LLM weights not held by exactly one pipeline stage: {wrong[:5]}")
-    return _over_stages(out, stages)
+        if share is None or module in share.hosted:
+            agreement = out.setdefault(module, Agreement())
+            if name in after:
+                agreement.add(after[name] - before[name], ref - ref_before[name])
+    for name, ref_name in (twins or {}).items():  # a copy of a shared weight: the reference's one update
+        out["language"].add(after[name] - before[name], ref_after[ref_name] - ref_before[ref_name], twin=True)
+    if share is not None:
+        held = reduce_values([float(name in after and name.split(".", 1)[0] in share.adds) for name in ref_after],
+                             dist.ReduceOp.SUM, None)
+        wrong = [f"{name} ×{n:.0f}" for name, n in zip(ref_after, held) if n != 1]
+        if wrong:
+            raise RuntimeError(f"verify: weights not held by exactly one reporting rank of their module: {wrong[:5]}")
+    return _over_world(out, share)
 
 
-def _over_stages(agreements: dict[str, Agreement], stages: dist.ProcessGroup | None) -> dict[str, Agreement]:
-    """The LLM's agreement over all its pipeline stages (each rank measured its own stages' tensors)."""
-    if stages is None or "language" not in agreements:
+def _over_world(agreements: dict[str, Agreement], share: GradNormShare | None) -> dict[str, Agreement]:
+    """Every module's agreement on every rank: the ranks that report for a module's stages (one per stage)
+    add their measures of the tensors they hold; the others add nothing."""
+    if share is None:
         return agreements
-    a = agreements["language"]
+    zero = Agreement()
+    mine = [agreements.get(m, zero) if m in share.adds else zero for m in share.modules]
     # NaN → inf before MAX: a reduction may drop NaN, inf still fails
-    peaks = reduce_values([x if x == x else math.inf for x in (a.max_diff, a.max_ref)], dist.ReduceOp.MAX, stages)
-    sums = reduce_values([a.sq, a.ref_sq, a.diff_sq], dist.ReduceOp.SUM, stages)
-    agreements["language"] = Agreement(*peaks, *sums)
-    return agreements
+    peaks = reduce_values([x if x == x else math.inf for a in mine for x in (a.max_diff, a.max_ref)],
+                          dist.ReduceOp.MAX, None)
+    sums = reduce_values([x for a in mine for x in (a.sq, a.ref_sq, a.diff_sq)], dist.ReduceOp.SUM, None)
+    present = reduce_values([float(m in agreements) for m in share.modules], dist.ReduceOp.MAX, None)
+    return {m: Agreement(*peaks[2 * i : 2 * i + 2], *sums[3 * i : 3 * i + 3])
+            for i, m in enumerate(share.modules) if present[i]}
 
 
 def report(checks: list[StepCheck], cfg: JobConfig, plan, against: str) -> Table:

@@ -1,0 +1,122 @@
+"""The point-to-point bridge: an encoder on its own ranks feeds the LLM's first stage on others (non-colocated).
+
+Microbatch by microbatch, the first tp rank of each encoder replica sends each chunk of its rows (flat
+`[rows, hidden]`, ragged over samples) to every stage-0 rank of the LLM replica whose samples they are (its
+cp and tp peers get the same tensor: one send each, no copy per peer); after the LLM's stage 0 has run that
+microbatch's backward, the rows' gradient, summed over the LLM's cp group (each cp rank inserted only its
+own tokens' rows), goes from the replica's first stage-0 rank to every rank of the producing encoder replica.
+Routes and row counts come from host data (bridge/routes.py), so no shape is exchanged before a send and
+every receive is posted into its final place.
+
+Rows and gradients travel on two different process groups: NCCL runs a pair's sends and receives of one
+group in one ordered queue, and the two directions are issued in different orders by the two sides (the
+LLM may post every microbatch's receive up front, the encoder waits for gradients between its forwards).
+Within a group a pair's messages are posted in microbatch order on both sides; gloo also gets a tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loom.bridge.colocated import ReplicaRows
+from loom.bridge.routes import Chunk, consumers, producers, step_chunks
+from loom.topology.grid import Grid
+
+
+@dataclass
+class Incoming:
+    """Rows (or row gradients) being received into `buffer`; `wait()` returns it complete."""
+
+    buffer: torch.Tensor
+    works: list
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.buffer
+
+
+class P2PBridge:
+    """One encoder's rows from its grid to the LLM's stage-0 ranks on disjoint ranks, and their gradients back.
+    `index`/`count`: this bridge among the job's bridges (a message's tag is unique per microbatch and bridge)."""
+
+    def __init__(self, src: Grid, dst: Grid, rows_group: dist.ProcessGroup, grads_group: dist.ProcessGroup,
+                 index: int, count: int) -> None:
+        if set(src.layout.ranks) & set(dst.layout.ranks):
+            raise ValueError(f"{src.module} and {dst.module} share ranks: use a colocated bridge")
+        self.module = src.module
+        self.producers, self.consumers = producers(src), consumers(dst)
+        self.rows_group, self.grads_group = rows_group, grads_group
+        self.index, self.count = index, count
+        me = dist.get_rank()
+        self.my_encoder = src.coord(me)["dp"] if src.contains(me) else None
+        self.my_llm = next((d for d, ranks in enumerate(self.consumers) if me in ranks), None)
+        self.cp_group = dst.group("cp") if dst.layout.cp > 1 and self.my_llm is not None else None
+
+    def consumes(self) -> bool:
+        """Whether this rank is one of the LLM's stage-0 ranks (it receives rows and returns their gradients)."""
+        return self.my_llm is not None
+
+    def _tag(self, mb: int) -> int:
+        return mb * self.count + self.index
+
+    def _chunks(self, counts: ReplicaRows) -> list[Chunk]:
+        return step_chunks([counts])
+
+    # ------------------------------------------------------------ encoder side
+
+    def send_rows(self, rows: torch.Tensor, counts: ReplicaRows, mb: int) -> list:
+        """This rank's encoder output for microbatch `mb` to the LLM ranks that insert it (first tp rank only)."""
+        if rows.shape[0] != counts.encoder[self.my_encoder]:
+            raise RuntimeError(f"p2p bridge ({self.module}): the encoder produced {rows.shape[0]} rows, but its "
+                               f"samples say {counts.encoder[self.my_encoder]}")
+        me, works = dist.get_rank(), []
+        for c in self._chunks(counts):
+            if self.producers[c.encoder][0] == me:
+                payload = rows[c.src : c.src + c.n].contiguous()  # a row range of a contiguous tensor: no copy
+                works += [dist.isend(payload, r, self.rows_group, tag=self._tag(mb)) for r in self.consumers[c.llm]]
+        return works
+
+    def receive_grads(self, counts: ReplicaRows, mb: int, like: torch.Tensor) -> Incoming:
+        """Posts the receives of the gradient of this rank's rows of microbatch `mb` (`like`: their dtype,
+        device and width)."""
+        grad = like.new_zeros((counts.encoder[self.my_encoder], like.shape[-1]))
+        works = [dist.irecv(grad[c.src : c.src + c.n], self.consumers[c.llm][0], self.grads_group, tag=self._tag(mb))
+                 for c in self._chunks(counts) if c.encoder == self.my_encoder]
+        return Incoming(grad, works)
+
+    # ------------------------------------------------------------ LLM side
+
+    def receive_rows(self, counts: ReplicaRows, mb: int, like: torch.Tensor) -> Incoming:
+        """Posts the receives of this rank's LLM replica's rows of microbatch `mb`."""
+        rows = like.new_empty((counts.llm[self.my_llm], like.shape[-1]))
+        works = [dist.irecv(rows[c.dst : c.dst + c.n], self.producers[c.encoder][0], self.rows_group,
+                            tag=self._tag(mb)) for c in self._chunks(counts) if c.llm == self.my_llm]
+        return Incoming(rows, works)
+
+    def send_grads(self, grad: torch.Tensor, counts: ReplicaRows, mb: int) -> list:
+        """The gradient of the rows `receive_rows` delivered, summed over cp, to the encoder ranks that made them."""
+        if self.cp_group is not None:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=self.cp_group)
+        me, works = dist.get_rank(), []
+        for c in self._chunks(counts):
+            if c.llm == self.my_llm and self.consumers[c.llm][0] == me:
+                payload = grad[c.dst : c.dst + c.n].contiguous()
+                works += [dist.isend(payload, r, self.grads_group, tag=self._tag(mb)) for r in self.producers[c.encoder]]
+        return works
+
+
+_GRADIENT_RETURN: list[dist.ProcessGroup] = []
+
+
+def gradient_return_group() -> dist.ProcessGroup:
+    """The second world group, for row gradients (rows go over the default group; see the module docstring).
+    Created once per process, by every rank (`new_group` is a world collective)."""
+    if not _GRADIENT_RETURN:
+        _GRADIENT_RETURN.append(dist.new_group(list(range(dist.get_world_size()))))
+    return _GRADIENT_RETURN[0]
