@@ -31,3 +31,45 @@ def test_noncolocated_matches_reference(worlds, name):
     world, overrides = LAYOUTS[name]
     per_rank = worlds.run(world, run_verify, overrides, 2, timeout=300)
     assert_all_passed(name, per_rank, 2)
+
+
+def _train_and_save(out_dir: str) -> dict:
+    """Two non-colocated training steps, the final checkpoint and the held-out evaluation of `loom train`;
+    returns this rank's own weights (whole) and, on rank 0, what the checkpoint holds."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from loom.config import load_config
+    from torch.distributed.tensor import DTensor
+
+    from loom.train.trainer import Trainer
+
+    cfg = load_config(None, ["--train.global_batch_size=8", "--data.train_size=200", "--data.heldout_size=4",
+                             "--train.steps=2", "--run.tensorboard=false", "--run.progress=false",
+                             f"--run.out_dir={out_dir}", "--train.eval_max_new_tokens=2"]
+                      + placed("0-0", "1-2"), world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    final = trainer.run()
+    mine = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in trainer.model.state_dict().items()}
+    out = {"mine": mine, "modules": [n for n, _ in trainer.model.named_children()], "final": final,
+           "names": trainer.weight_names, "params": [n for n, _ in trainer.model.named_parameters()]}
+    if dist.get_rank() == 0:
+        out |= {"weights": load_file(f"{out_dir}/final/model.safetensors"),
+                "moments": set(load_file(f"{out_dir}/final/optimizer.safetensors"))}
+    return out
+
+
+def test_noncolocated_run_keeps_hosted_modules_and_saves_all(worlds, tmp_path):
+    """Each rank holds only its modules; the checkpoint holds every module's weights as trained on its own
+    ranks, with their optimizer moments; rank 0 (an encoder rank) reports the held-out evaluation."""
+    per_rank = worlds.run(3, _train_and_save, str(tmp_path), timeout=300)
+    assert sorted(per_rank[0]["modules"]) == ["audio", "vision"]
+    assert [r["modules"] for r in per_rank[1:]] == [["language"], ["language"]]
+    saved = per_rank[0]["weights"]
+    assert set(saved) == per_rank[0]["names"]  # every weight of the model, a tied alias once
+    for r in per_rank:
+        for name, tensor in r["mine"].items():
+            if name in saved:
+                assert (saved[name] == tensor).all(), name
+    assert {f"{k}.exp_avg" for r in per_rank for k in r["params"]} <= per_rank[0]["moments"]
+    assert "exact_match" in per_rank[0]["final"]

@@ -100,6 +100,14 @@ class RankPlan:
         return self.topo is not None
 
     @property
+    def spread(self) -> GradNormShare | None:
+        """When no rank holds every module whole (a pipelined LLM, non-colocated modules): which modules this
+        rank reports for, one rank per module stage (checkpoints and evaluation gather them); else None."""
+        if self.topo is None or (self.topo.placement.colocated and self.pipeline is None):
+            return None
+        return self.comms.norm_share
+
+    @property
     def is_logger(self) -> bool:
         return not self.distributed or dist.get_rank() == 0
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from loom.train.optim import GradNormShare
+
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -42,26 +44,28 @@ def write_checkpoint(path: str | Path, weights: dict, optimizer_tensors: dict, s
     (path / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2, default=str))
 
 
-def gather_full_weights(model: nn.Module, to_rank0: bool, stages=None) -> dict[str, torch.Tensor]:
+def gather_full_weights(model: nn.Module, to_rank0: bool, spread: GradNormShare | None = None
+                        ) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of an FSDP/TP model — collective: every rank calls it. `to_rank0`: only
-    rank 0 receives them, on the CPU; otherwise every rank does, on its device. `stages`: the pipeline
-    group of a pipelined LLM, whose stages each hold only their own weights (to_rank0 only)."""
+    rank 0 receives them, on the CPU; otherwise every rank does, on its device. `spread`: when no rank holds
+    every module whole (a pipelined LLM, non-colocated modules), which modules this rank reports for; they
+    are then gathered on rank 0 (to_rank0 only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if stages is None:
+    if spread is None:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=to_rank0))
     mine = {k: v.cpu() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
-    return gather_over_stages(mine, stages)
+    return gather_reported(mine, spread)
 
 
-def gather_over_stages(tensors: dict, stages) -> dict:
-    """Every stage's part of a dict, merged on the first rank of each pipeline group (rank 0 among them);
-    an in-memory object collective, so nothing is unpickled from a file."""
+def gather_reported(tensors: dict, spread: GradNormShare) -> dict:
+    """Rank 0 gets the entries of the modules each rank reports for (one rank per module stage; keys start
+    with the module's name); an in-memory object collective, so nothing is unpickled from a file."""
     import torch.distributed as dist
 
-    first = dist.get_process_group_ranks(stages)[0]
-    parts = [None] * dist.get_world_size(stages) if dist.get_rank() == first else None
-    dist.gather_object(tensors, parts, dst=first, group=stages)
+    mine = {k: v for k, v in tensors.items() if k.split(".", 1)[0] in spread.adds}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
     if dist.get_rank() != 0:
         return {}
     return {k: v for part in parts for k, v in part.items()}
@@ -69,25 +73,26 @@ def gather_over_stages(tensors: dict, stages) -> dict:
 
 def save_sharded_as_full(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str], step: int, extra: dict,
-    stages=None,
+    spread: GradNormShare | None = None,
 ) -> None:
     """FSDP/TP model: gathers full tensors to rank 0 (collective: every rank calls it), which writes the same
     folder a one-process run writes, so export, evaluation and one-process resume read it unchanged.
-    `names`: the model's unique state-dict names (tied aliases dropped), taken before parallelisation."""
+    `names`: the model's unique state-dict names (tied aliases dropped), taken before parallelisation;
+    `spread`: as in `gather_full_weights`."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    weights = gather_full_weights(model, to_rank0=True, stages=stages)
+    weights = gather_full_weights(model, to_rank0=True, spread=spread)
     optim = get_optimizer_state_dict(
-        model, _optimizers(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=stages is None)
+        model, _optimizers(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=spread is None)
     )
     moments = {
         f"{fqn}.{key}": torch.as_tensor(value).cpu().contiguous()
         for fqn, state in optim.get("state", {}).items()  # cpu_offload: empty off rank 0
         for key, value in state.items()
     }
-    if stages is not None:
-        moments = gather_over_stages(moments, stages)
+    if spread is not None:
+        moments = gather_reported(moments, spread)
     if dist.get_rank() == 0:
         weights = {k: v.contiguous() for k, v in weights.items() if k in names}
         write_checkpoint(path, weights, moments, step, extra)

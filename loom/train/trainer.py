@@ -49,6 +49,7 @@ class Trainer:
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
         self.cfg = cfg = with_padded_length(cfg, longest_samples(cfg, self.tok, self.counters), layout_multiple(cfg))
         self.weight_names = set(unique_state_dict(self.model))
+        self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model (a rank may keep part)
         self.plan = setup_parallel(self.model, cfg, self.device)
         check_data(cfg, self.plan, self.tok, self.counters)
         if self.plan.distributed and cfg.run.resume:
@@ -75,9 +76,8 @@ class Trainer:
     def run(self) -> dict[str, float]:
         cfg, out = self.cfg, Path(self.cfg.run.out_dir)
         log = MetricsLogger(out, cfg.train.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.plan.is_logger)
-        n_params = sum(p.numel() for p in self.model.parameters())
         where = f"{dist.get_world_size()} ranks" if self.plan.distributed else str(self.device)
-        log.print(f"loom: {n_params / 1e6:.2f}M parameters on {where}, "
+        log.print(f"loom: {self.n_params / 1e6:.2f}M parameters on {where}, "
                   f"{cfg.train.steps} steps → {out}")
         tokens, t0, final = 0, time.perf_counter(), {}
         try:
@@ -124,7 +124,7 @@ class Trainer:
         return metrics
 
     def _gathered_copy(self):
-        full = gather_full_weights(self.model, to_rank0=True, stages=self.plan.comms.stage_group)
+        full = gather_full_weights(self.model, to_rank0=True, spread=self.plan.spread)
         if dist.get_rank() != 0:
             return None
         copy = build_job_model(self.cfg, self.tok, pretrained=False)
@@ -135,7 +135,7 @@ class Trainer:
         extra = {"config": self.cfg.to_dict()}
         if self.plan.distributed:
             save_sharded_as_full(path, self.model, self.optimizer, self.weight_names, self.step, extra,
-                                 self.plan.comms.stage_group)
+                                 self.plan.spread)
         else:
             save_checkpoint(path, self.model, self.optimizer, self.step, extra)
 
