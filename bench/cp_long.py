@@ -4,8 +4,10 @@ Run on a GPU machine (one process per GPU), once per cp degree, side by side:
     torchrun --nproc-per-node=4 bench/cp_long.py --cp 1 --seq 32768
     torchrun --nproc-per-node=4 bench/cp_long.py --cp 2 --seq 32768
     torchrun --nproc-per-node=4 bench/cp_long.py --cp 4 --seq 32768
-Each prints one JSON line (rank 0): real tokens/s per GPU, step time, peak memory per GPU. With one
-sample per replica, cp spreads each sample's tokens (and their activations) over cp GPUs.
+Each prints one JSON line (rank 0): real tokens/s per GPU, step time, peak memory per GPU, and the bytes of
+weights and AdamW moments this GPU holds. With one sample per replica, cp spreads each sample's tokens (and
+their activations) over cp GPUs. `--fsdp hsdp` restores the LLM's FSDP2 layout before dp×cp flattening
+(sharded over cp, replicated over dp) for memory comparisons; see bench/run_fsdp_cp.sh.
 Runs on CPU too (gloo, fp32, SDPA) with small sizes, which is how CI keeps it from rotting.
 """
 
@@ -19,6 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from loom.config import load_config
 from loom.data.packing import pack_samples
@@ -46,7 +49,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--small", action="store_true", help="tiny model, for a CPU smoke run")
+    p.add_argument("--fsdp", choices=["flat", "hsdp"], default="flat",
+                   help="the LLM's FSDP2 mesh under cp: dp×cp flattened (loom's), or (dp, cp) HSDP (loom's before)")
     args = p.parse_args()
+    if args.fsdp == "hsdp":
+        replicate_over_dp()
     device = init_distributed("auto")
     world = dist.get_world_size() if dist.is_initialized() else 1
     gpu = device.type == "cuda"
@@ -80,15 +87,37 @@ def main() -> None:
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     step_s = sorted(times)[len(times) // 2]
+    state_gib = local_state_bytes(model, optimizer) / 2**30
+    allocated = torch.cuda.memory_allocated(device) / 2**30 if gpu else float("nan")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else float("nan")
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({
-            "bench": "cp_long", "cp": args.cp, "dp": dp, "gpus": world, "seq": args.seq,
+            "bench": "cp_long", "cp": args.cp, "dp": dp, "gpus": world, "seq": args.seq, "fsdp": args.fsdp,
             "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(args.seq * dp / step_s / world, 1),
-            "peak_mem_gib": round(peak, 2), "loss": round(result.loss, 4),
+            "peak_mem_gib": round(peak, 2), "allocated_after_step_gib": round(allocated, 2),
+            "weights_and_moments_gib": round(state_gib, 4), "loss": round(result.loss, 4),
         }))
     shutdown()
+
+
+def replicate_over_dp() -> None:
+    """Bench only: the LLM's FSDP2 mesh as before dp×cp flattening — (dp, cp), i.e. HSDP: sharded over cp,
+    replicated over dp — so that memory can be compared on the same code otherwise."""
+    import loom.parallel
+
+    def hsdp_mesh(grid, device_type):
+        return grid.mesh(*(("dp", "cp") if grid.layout.cp > 1 else ("dp",)), device_type=device_type)
+
+    loom.parallel.fsdp_mesh = hsdp_mesh
+
+
+def local_state_bytes(model: torch.nn.Module, optimizer: ModuleOptimizers) -> int:
+    """Bytes of this rank's weight shards and AdamW moments (gradients are freed after each step)."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    tensors = [*model.parameters(), *(v for st in optimizer.state.values() for v in st.values()
+                                      if isinstance(v, torch.Tensor) and v.ndim > 0)]
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
 if __name__ == "__main__":

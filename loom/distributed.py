@@ -36,7 +36,7 @@ def init_distributed(backend: str = "auto") -> torch.device:
 
 def shutdown() -> None:
     if dist.is_initialized():
-        from loom.topology.grid import GroupRegistry
+        from loom.topology.groups import GroupRegistry
 
         GroupRegistry.destroy_all()
         dist.destroy_process_group()

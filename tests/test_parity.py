@@ -55,6 +55,8 @@ LAYOUTS = {
     "cp4": (4, ["--layout.language.cp=4", "--data.pad_to_multiple=8"]),
     "fan-in-vision-dp4-llm-cp2xdp2": (4, CP2 + ["--layout.vision.tp=1"]),
     "fan-out-vision-dp2-llm-cp2xdp4": (8, CP2 + ["--layout.vision.tp=4"]),
+    # FSDP2 over the flattened dp×cp (ranks 2 apart) beside tp on the same root mesh
+    "cp2xdp2xtp2-sp": (8, ["--layout.language.cp=2", "--layout.language.tp=2", "--data.pad_to_multiple=8"] + SP),
     # torch.compile per block (eager hooks of FSDP/TP around it; CP attention eager inside it)
     "compiled-dp1": (1, COMPILE),
     "compiled-fan-in-llm-tp2-sp": (4, COMPILE + ["--layout.vision.tp=1", "--layout.language.tp=2",

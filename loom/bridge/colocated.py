@@ -9,9 +9,9 @@ other module:
   rank's LLM replica; backward gathers the k replicas' gradients back into the encoder's order.
 - equal: the replicas coincide; nothing moves.
 Rows are ragged — samples carry different numbers of modality tokens — so only flat [rows, hidden] tensors
-move: each replica's first rank sends its rows to every rank of the block (all_to_all_single with uneven
-splits), the other ranks send none. Every rank knows every replica's row count from host data
-(train/inputs.py), so nothing is read back from the device.
+move: each replica's first rank sends its rows once to every other rank of the block (one batch of
+point-to-point sends of the same tensor), the other ranks send none. Every rank knows every replica's row
+count from host data (train/inputs.py), so nothing is read back from the device.
 """
 
 from __future__ import annotations
@@ -37,12 +37,20 @@ def exchange_rows(x: torch.Tensor, counts: list[int], me: int, send: bool, group
     group member i sends (0 for a non-sender); `me` is this rank's index in the group."""
     if send and x.shape[0] != counts[me]:
         raise RuntimeError(f"bridge: this rank holds {x.shape[0]} rows, but its samples say it sends {counts[me]}")
-    size = dist.get_world_size(group)
-    payload = x if send else x[:0]
+    members = dist.get_process_group_ranks(group)
     out = x.new_empty((sum(counts), *x.shape[1:]))
-    dist.all_to_all_single(
-        out, payload.repeat(size, *([1] * (x.dim() - 1))).contiguous(), counts, [counts[me]] * size, group=group
-    )
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    # One batch of sends that all read the same payload (no copy per destination) and receives straight into
+    # `out`: on NCCL a single grouped launch, like all_to_all (built on the same send/recv); all_to_all_single
+    # needs one copy of the rows per destination in its input, gloo has no uneven all_gather or all_to_all.
+    ops = [dist.P2POp(dist.irecv, out[starts[i] : starts[i] + n], members[i], group)
+           for i, n in enumerate(counts) if n and i != me]
+    if send and counts[me]:
+        payload = x.contiguous()
+        ops += [dist.P2POp(dist.isend, payload, r, group) for i, r in enumerate(members) if i != me]
+        out[starts[me] : starts[me] + counts[me]] = payload
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
     return out
 
 

@@ -8,18 +8,20 @@ block's weights before its recomputation in backward.
 
 from __future__ import annotations
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from loom.config import ConfigError, JobConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.blocks import transformer_blocks
 from loom.parallel.fsdp import apply_fsdp, mixed_precision
 from loom.parallel.pipeline import ZERO_BUBBLE, split_language
 from loom.parallel.tensor import apply_encoder_tp, apply_llm_tp, tp_unsupported
-from loom.topology import Topology
+from loom.topology import Grid, Topology
 
 
 def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_type: str) -> None:
     """Every module this rank hosts gets its own layout's PP split (the LLM: `model.language` becomes this
-    rank's `PipelinedLM`), TP (on the grid's tp mesh) and FSDP (dp mesh)."""
+    rank's `PipelinedLM`), TP (on the grid's tp mesh) and FSDP (`fsdp_mesh`: dp, or dp×cp flattened)."""
     me = topo.role()
     mp = mixed_precision(cfg.train.dtype)
     for name in (*model.encoder_names, "language"):
@@ -48,9 +50,15 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
                     apply_llm_tp(part, tp_mesh, lay.sequence_parallel, seq_dim=0 if cfg.data.format == "thd" else 1)
                 else:
                     apply_encoder_tp(part, tp_mesh)
-            # under cp the LLM's gradients must be summed over dp × cp: a (dp, cp) mesh makes FSDP2 replicate
-            # over dp and shard over cp (HSDP), reducing over both, with the tp mesh on the same root
-            dims = ("dp", "cp") if lay.cp > 1 else ("dp",)
-            apply_fsdp(part, transformer_blocks(name, part), grid.mesh(*dims, device_type=device_type), mp,
-                       reshard, cfg.parallel.blocks_per_unit)
+            apply_fsdp(part, transformer_blocks(name, part), fsdp_mesh(grid, device_type), mp, reshard,
+                       cfg.parallel.blocks_per_unit)
+
+
+def fsdp_mesh(grid: Grid, device_type: str) -> DeviceMesh:
+    """What FSDP2 shards a module over: its dp ranks, or under cp its dp × cp ranks as one flattened dim, so
+    parameter and optimizer memory falls with dp too (a (dp, cp) mesh would be HSDP: replicated over dp);
+    gradients are summed over all of them, and the mesh shares the tp mesh's root."""
+    if grid.layout.cp > 1:
+        return grid.flat_mesh("dp", "cp", device_type=device_type)
+    return grid.mesh("dp", device_type=device_type)
 

@@ -8,11 +8,12 @@ import torch.distributed as dist
 
 from loom.config import JobConfig
 from loom.topology.checks import check_placement
-from loom.topology.grid import Grid, GroupRegistry
+from loom.topology.grid import Grid
+from loom.topology.groups import GROUP_DIMS, GroupRegistry
 from loom.topology.layout import DIMS, Layout, Placement, resolve_placement
 from loom.topology.role import Role, Stage, role_of
 
-__all__ = ["DIMS", "Grid", "GroupRegistry", "Layout", "Placement", "Role", "Stage", "Topology"]
+__all__ = ["DIMS", "GROUP_DIMS", "Grid", "GroupRegistry", "Layout", "Placement", "Role", "Stage", "Topology"]
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Topology:
 
     @staticmethod
     def build(cfg: JobConfig) -> Topology:
-        """Inside an initialised process group: every rank creates every group, in the same order."""
+        """Inside an initialised process group: every rank creates the groups of GROUP_DIMS, in the same order."""
         topo = Topology.plan(cfg, dist.get_world_size())
         topo.registry = GroupRegistry()
         topo.registry.build(list(topo.grids.values()))

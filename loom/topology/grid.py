@@ -1,20 +1,24 @@
-"""The rank grid of one layout: coordinates, rank sets for any subset of dims, and their process groups.
+"""The rank grid of one layout: coordinates, rank sets for any subset of dims, their groups and meshes.
 
 Ranks of a grid are laid out as a [pp, dp, cp, tp] array over its contiguous range (tp fastest).
 `rank_sets(dims)` partitions the grid into the groups that vary along `dims` with the other dims fixed;
-`group(*dims)` is this rank's member of that partition. Groups are created by `GroupRegistry`, on every
-rank of the world in one fixed order, because `new_group` is a collective over the whole world.
+`group(*dims)` is this rank's member of that partition. Groups are created up front by `GroupRegistry`
+(topology/groups.py), only for the dim sets listed there.
 """
 
 from __future__ import annotations
 
-import itertools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.topology.layout import DIMS, Layout
+
+if TYPE_CHECKING:
+    from loom.topology.groups import GroupRegistry
 
 
 class Grid:
@@ -67,7 +71,7 @@ class Grid:
         rank = dist.get_rank()
         if not self.contains(rank):
             raise ValueError(f"rank {rank} is not in the {self.module} grid ({self.layout.describe()})")
-        return self.registry.get(self.members(rank, *dims))
+        return self.registry.get(_ordered(dims), self.members(rank, *dims), self.module)
 
     def mesh(self, *dims: str, device_type: str = "cpu") -> DeviceMesh:
         """A DeviceMesh over `dims` for this rank, sliced from the grid's full [pp, dp, cp, tp] mesh so that
@@ -79,51 +83,23 @@ class Grid:
             self._root_mesh = DeviceMesh.from_group(groups, device_type, mesh=self.ranks, mesh_dim_names=DIMS)
         return self._root_mesh[dims if len(dims) > 1 else dims[0]]
 
-
-# Process-wide: a rank set gets one group for the life of the process. DTensor caches sharding decisions by
-# mesh *equality* (ranks and dim names, not groups), so a second, equal mesh over new groups would be served
-# stale groups; sharing the groups across topologies (tests, `verify` after `train`) rules that out.
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-
-
-class GroupRegistry:
-    """Creates every process group of every grid, once per process.
-
-    All ranks call `build(grids)` with the same grids in the same order; identical rank sets (e.g. two
-    colocated modules with the same layout) share one group. `destroy_all()` releases them at shutdown.
-    """
-
-    def __init__(self) -> None:
-        self._groups = _GROUPS
-
-    def build(self, grids: list[Grid]) -> None:
-        me = dist.get_rank()
-        for grid in grids:
-            grid.registry = self
-            for dims in all_dim_subsets():
-                for ranks in grid.rank_sets(*dims):
-                    if ranks not in self._groups:
-                        group = dist.new_group(list(ranks))  # every rank calls it: world collective
-                        self._groups[ranks] = group if me in ranks else None
-
-    def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        group = self._groups.get(tuple(ranks))
-        if group is None:
-            raise KeyError(f"no process group for ranks {ranks} on rank {dist.get_rank()}")
-        return group
-
-    @staticmethod
-    def destroy_all() -> None:
-        """At shutdown: every group this process created, before the default group goes."""
-        for group in _GROUPS.values():
-            if group is not None:
-                dist.destroy_process_group(group)
-        _GROUPS.clear()
-
-
-def all_dim_subsets() -> list[tuple[str, ...]]:
-    """Every non-empty subset of DIMS, in one fixed order."""
-    return [c for n in range(1, len(DIMS) + 1) for c in itertools.combinations(DIMS, n)]
+    def flat_mesh(self, *dims: str, device_type: str = "cpu") -> DeviceMesh:
+        """A 1-D DeviceMesh over `dims` flattened into one dim named "_".join(dims) (e.g. FSDP2 sharding over
+        dp×cp), over the registry's group for `dims`; like `DeviceMesh._flatten` it hangs off the grid's root
+        mesh, so FSDP2 + TP still share one root, but `_flatten` would create groups outside the registry."""
+        dims = _ordered(dims)
+        root = self.mesh(*DIMS, device_type=device_type)
+        if len(dims) == 1:
+            return root[dims[0]]
+        name = "_".join(dims)
+        if name not in root._flatten_mapping:
+            group = self.group(*dims)
+            flat = DeviceMesh(device_type, _layout=_MeshLayout([root[dims]._layout.collapse()]),
+                              _rank_map=root._rank_map, mesh_dim_names=(name,), _root_mesh=root, _init_backend=False)
+            flat._dim_group_names = [group.group_name]
+            root._pg_registry[group.group_name] = group  # where compiled code looks groups up
+            root._flatten_mapping[name] = flat  # a later root[dims]._flatten(name) returns this one
+        return root._flatten_mapping[name]
 
 
 def _ordered(dims: tuple[str, ...]) -> tuple[str, ...]:

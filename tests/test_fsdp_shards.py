@@ -1,0 +1,62 @@
+"""FSDP2 under LLM cp shards over dp × cp: at dp2·cp2 on 4 gloo ranks each LLM parameter's local shard holds
+1/4 of its rows (torch.chunk's split over the 4 ranks), and under the bench's HSDP layout (before dp×cp
+flattening; bench/cp_long.py --fsdp hsdp) 1/2 of them, the same on both dp replicas."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from loom.config import load_config
+from loom.data.tokenizer import ByteTokenizer
+
+CP2_ON_4 = ["--layout.language.cp=2", "--data.pad_to_multiple=4", "--train.global_batch_size=8"]
+
+
+def _local_rows(hsdp: bool) -> dict[str, tuple[int, int]]:
+    """Every LLM parameter: (rows of the whole weight, rows of this rank's shard)."""
+    import torch
+
+    import loom.parallel
+    from bench.cp_long import replicate_over_dp
+    from loom.train.build import build_job_model, setup_parallel
+
+    cfg = load_config(None, CP2_ON_4, world_size=dist.get_world_size())
+    original = loom.parallel.fsdp_mesh
+    try:
+        if hsdp:
+            replicate_over_dp()
+        model = build_job_model(cfg, ByteTokenizer())
+        setup_parallel(model, cfg, torch.device("cpu"))
+    finally:
+        loom.parallel.fsdp_mesh = original
+    out = {}
+    for name, p in model.language.named_parameters():
+        assert isinstance(p, DTensor), name
+        out[name] = (p.shape[0], p.to_local().shape[0])
+    return out
+
+
+def _chunk_rows(rows: int, parts: int, index: int) -> int:
+    """Rows of chunk `index` when torch.chunk cuts `rows` into `parts`: ceil-sized chunks, the last ones short."""
+    size = -(-rows // parts)
+    return max(0, min(size, rows - index * size))
+
+
+def test_llm_shards_over_dp_times_cp(worlds):
+    per_rank = worlds.run(4, _local_rows, False)
+    # dp2·cp2·tp1 on ranks 0-3: rank = 2·dp + cp, so the flattened dp×cp index is the rank itself
+    for rank, shards in enumerate(per_rank):
+        assert shards, "no LLM parameter"
+        for name, (rows, local) in shards.items():
+            assert local == _chunk_rows(rows, 4, rank), (rank, name, rows, local)
+    for name in per_rank[0]:
+        assert sum(shards[name][1] for shards in per_rank) == per_rank[0][name][0]  # every row once
+
+
+def test_bench_hsdp_layout_shards_over_cp_only(worlds):
+    per_rank = worlds.run(4, _local_rows, True)
+    for rank, shards in enumerate(per_rank):
+        cp = rank % 2
+        for name, (rows, local) in shards.items():
+            assert local == _chunk_rows(rows, 2, cp), (rank, name, rows, local)
