@@ -16,7 +16,7 @@ from loom.topology.groups import MissingGroupError
 
 
 # what any pipelined LLM needs to validate: fixed-shape microbatches, M ≥ pp, no tie across stages
-PIPELINE_READY = ["--data.tokens_per_microbatch=1024", "--train.microbatches=8", "--model.language.tie_embeddings=false"]
+PIPELINE_READY = ["--data.tokens_per_microbatch=1024", "--train.microbatches=8"]
 
 
 def plan(world: int, *overrides: str) -> Topology:

@@ -1,7 +1,9 @@
 """A pipelined LLM equals the one-process reference: loss, grad norms, each module's gradients and weight
 updates, on N gloo ranks, for every schedule and with TP/SP, CP (packed), DP and the three-phase step
 (colocated encoders feeding the LLM's first stage), with FSDP2 reducing gradients once per step or after
-every microbatch. The reference runs the whole global batch at once.
+every microbatch. The model ties its embedding to the LM head (the default) unless a case says otherwise: the
+stage-0 and last-stage copies must add up to the reference's one gradient. The reference runs the whole
+global batch at once.
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ from __future__ import annotations
 import pytest
 from oracle import assert_all_passed, run_verify
 
-UNTIED = ["--model.language.tie_embeddings=false"]  # a tie across stages is not built (rejected by config)
+UNTIED = ["--model.language.tie_embeddings=false"]
 
 
 def pp(p: int, m: int, schedule: str = "1f1b", virtual: int = 1, tokens: int = 512) -> list[str]:
-    return UNTIED + [f"--layout.language.pp={p}", f"--train.microbatches={m}", f"--data.tokens_per_microbatch={tokens}",
-                     f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual_stages={virtual}"]
+    return [f"--layout.language.pp={p}", f"--train.microbatches={m}", f"--data.tokens_per_microbatch={tokens}",
+            f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual_stages={virtual}"]
 
 
 ENCODERS_DP = ["--layout.vision.tp=1", "--layout.audio.tp=1"]
@@ -23,12 +25,13 @@ PER_MICROBATCH = ["--parallel.pp_grad_reduce=microbatch"]
 # (world size, overrides); the default model has 4 LLM layers
 LAYOUTS = {
     "pp2-1f1b-m2": (2, pp(2, 2)),  # M = pp
-    "pp2-1f1b-m4": (2, pp(2, 4, tokens=256)),  # M = 2·pp
+    "pp2-1f1b-m4-untied": (2, pp(2, 4, tokens=256) + UNTIED),  # M = 2·pp; the head its own weight
     "pp2-gpipe": (2, pp(2, 2, "gpipe")),
     "pp2-interleaved-v2": (2, pp(2, 4, "interleaved_1f1b", 2, tokens=256)),
     "pp2-zero-bubble-v2": (2, pp(2, 4, "zero_bubble", 2, tokens=256)),
-    "pp2-zbv": (2, pp(2, 2, "zbv", 2)),
-    "pp4-1f1b": (4, pp(4, 4, tokens=256)),
+    "pp2-zbv": (2, pp(2, 2, "zbv", 2)),  # rank 0 holds stage 0 and the last stage: both copies, added locally
+    "pp4-1f1b": (4, pp(4, 4, tokens=256)),  # the middle stages hold neither copy
+    # vocab-parallel embedding and column-wise head: both copies Shard(0) over tp
     "pp2xtp2-sp": (4, pp(2, 2) + ["--layout.language.tp=2", "--layout.language.sequence_parallel=true"]),
     "pp2xcp2-packed": (4, pp(2, 2) + ["--layout.language.cp=2"]),
     "pp2xdp2": (4, pp(2, 2) + ENCODERS_DP),
@@ -89,12 +92,19 @@ def test_pipeline_reduces_gradients_once_per_step_or_per_microbatch(worlds, grad
 
 
 def _train_and_save(out_dir: str) -> dict:
-    """Two pipelined training steps, the final checkpoint and the held-out evaluation of `loom train`; returns
-    this rank's own LLM weights (whole, gathered over dp) and, on rank 0, what the checkpoint holds."""
+    """Two pipelined training steps of the tied model, the final checkpoint, its Hugging Face export and the
+    held-out evaluation of `loom train`; returns this rank's own LLM weights (whole, gathered over dp) and, on
+    rank 0, what the checkpoint and the export hold and what a one-process checkpoint of the model would name."""
+    import json
+
     import torch.distributed as dist
     from safetensors.torch import load_file
 
     from loom.config import load_config
+    from loom.data.tokenizer import ByteTokenizer
+    from loom.models.hf.export import export_checkpoint
+    from loom.train.build import build_job_model
+    from loom.train.checkpoint import OPTIMIZER_KEYS, unique_state_dict
     from loom.train.trainer import Trainer
     from loom.train.verify import parameters
 
@@ -107,18 +117,61 @@ def _train_and_save(out_dir: str) -> dict:
     mine = {k: v for k, v in parameters(trainer.model).items() if k.startswith("language.")}
     if dist.get_rank() != 0:
         return {"mine": mine}
+    one_process = build_job_model(cfg, ByteTokenizer())  # what `loom train` on one process would save
+    hf = export_checkpoint(f"{out_dir}/final", f"{out_dir}/hf")["language"]
     return {"mine": mine, "weights": load_file(f"{out_dir}/final/model.safetensors"),
-            "moments": set(load_file(f"{out_dir}/final/optimizer.safetensors"))}
+            "moments": set(load_file(f"{out_dir}/final/optimizer.safetensors")),
+            "one_process_weights": set(unique_state_dict(one_process)),
+            "one_process_moments": {f"{n}.{k}" for n, _ in one_process.named_parameters() for k in OPTIMIZER_KEYS},
+            "hf_tensors": set(load_file(hf / "model.safetensors")),
+            "hf_tied": json.loads((hf / "config.json").read_text())["tie_word_embeddings"]}
 
 
 def test_pipelined_run_saves_every_stage(worlds, tmp_path):
-    """The checkpoint of a pipelined run holds every stage's weights (as trained) and optimizer moments."""
+    """The checkpoint of a pipelined run (pp2·dp2, tied) holds every stage's weights as trained and their
+    optimizer moments, under exactly the names a one-process checkpoint has: the tie stored once, as the
+    embedding, which after two steps is bitwise the head's copy; `loom export` writes a tied HF folder."""
     per_rank = worlds.run(4, _train_and_save, str(tmp_path), timeout=300)
-    saved = per_rank[0]["weights"]
-    llm = {k for k in saved if k.startswith("language.")}
+    first = per_rank[0]
+    saved = first["weights"]
+    assert set(saved) == first["one_process_weights"] and first["moments"] == first["one_process_moments"]
+    head, embedding = "language.lm_head.weight", "language.embed_tokens.weight"
     held = [k for r in per_rank for k in r["mine"]]
-    assert sorted(set(held)) == sorted(llm)  # every LLM weight, from its own stage
+    llm = {k for k in saved if k.startswith("language.")}
+    assert sorted(set(held)) == sorted(llm | {head})  # every LLM weight from its own stage, and the head copy
     for r in per_rank:
         for name, tensor in r["mine"].items():
-            assert (saved[name] == tensor).all(), name
-    assert {f"{k}.exp_avg" for k in llm} <= per_rank[0]["moments"]
+            assert (saved[embedding if name == head else name] == tensor).all(), name  # the copies: bitwise
+    assert sum(head in r["mine"] for r in per_rank) == 2  # the last stage's two dp ranks
+    assert first["hf_tied"] is True and not any(k.startswith("lm_head") for k in first["hf_tensors"])
+
+
+def _tied_copies_after_steps(steps: int) -> dict:
+    """zbv on 2 ranks: rank 0 holds stage 0 and the last stage, so both copies of the tied embedding."""
+    import torch.distributed as dist
+
+    from loom.config import load_config
+    from loom.train.trainer import Trainer
+    from loom.train.verify import parameters
+
+    cfg = load_config(None, ["--train.global_batch_size=8", "--data.train_size=200"] + pp(2, 2, "zbv", 2),
+                      world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    lm = trainer.model.language
+    before = parameters(lm)  # whole tensors
+    for _ in range(steps):
+        trainer.train_step()
+    after = parameters(lm)
+    if 0 not in lm.indices:
+        return {}
+    return {"embedding": after["embed_tokens.weight"], "head": after["lm_head.weight"],
+            "before": before["embed_tokens.weight"], "separate": lm.lm_head.weight is not lm.embed_tokens.weight}
+
+
+def test_zbv_tied_copies_on_one_rank_stay_bitwise_equal(worlds):
+    per_rank = worlds.run(2, _tied_copies_after_steps, 2, timeout=300)
+    r = per_rank[0]
+    assert r["separate"]  # two parameters (two FSDP2 roots), not one shared
+    assert not (r["embedding"] == r["before"]).all()  # trained
+    assert (r["embedding"] == r["head"]).all()
+    assert per_rank[1] == {}

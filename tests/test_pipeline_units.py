@@ -228,10 +228,13 @@ def _packed_batch(vocab: int, lengths: list[int], g: torch.Generator):
 SPLITS = [(2, 1, "1f1b"), (2, 2, "interleaved_1f1b"), (2, 2, "zbv"), (4, 1, "gpipe")]
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("pp,virtual,schedule", SPLITS, ids=[f"pp{p}-v{v}-{s}" for p, v, s in SPLITS])
-def test_stages_chained_by_hand_equal_the_unsplit_model(pp, virtual, schedule):
+def test_stages_chained_by_hand_equal_the_unsplit_model(pp, virtual, schedule, tied):
+    """Tied: the last stage's head is its own copy of the embedding (zbv: on the embedding's rank too), and the
+    two copies' gradients add up to the unsplit model's one gradient of the shared weight."""
     cfg = tiny_llm_config()
-    cfg.num_layers, cfg.tie_embeddings = 4, False
+    cfg.num_layers, cfg.tie_embeddings = 4, tied
     torch.manual_seed(0)
     model = DecoderLM(cfg)
     with torch.no_grad():  # weights far from the tiny init, so a skipped or repeated layer shows clearly
@@ -267,21 +270,31 @@ def test_stages_chained_by_hand_equal_the_unsplit_model(pp, virtual, schedule):
     torch.testing.assert_close(h, ref_loss, rtol=1e-6, atol=1e-7)
     h.backward()
 
-    # every DecoderLM parameter on exactly one rank, under the DecoderLM's name, with the same gradient
+    # every DecoderLM parameter on exactly one rank, under the DecoderLM's name, with the same gradient; the
+    # head copy of a tied embedding (the one-process model names the shared weight once, as the embedding)
+    twins = {"lm_head.weight": "embed_tokens.weight"} if tied else {}
     ref_names = set(ref_grads)
     seen: dict[str, int] = {}
     for r, lm in enumerate(ranks):
+        assert lm.tied_copies == (twins if n_stages - 1 in lm.indices else {})
         for name, p in lm.named_parameters():
-            assert name in ref_names, f"rank {r}: {name} is no DecoderLM parameter name"
+            assert twins.get(name, name) in ref_names, f"rank {r}: {name} is no DecoderLM parameter name"
             assert name not in seen, f"{name} on ranks {seen[name]} and {r}"
             seen[name] = r
             assert p.grad is not None, f"rank {r}: {name} got no gradient"
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"rank {r}: {name}")
-    assert set(seen) == ref_names, f"missing: {sorted(ref_names - set(seen))}"
+            if name not in twins and name not in twins.values():
+                torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"rank {r}: {name}")
+    assert set(seen) - set(twins) == ref_names, f"missing: {sorted(ref_names - set(seen))}"
     # the parts sit where the stages put them: embedding with stage 0, head with the last stage
     first_rank = next(r for r, lm in enumerate(ranks) if 0 in lm.indices)
     last_rank = next(r for r, lm in enumerate(ranks) if n_stages - 1 in lm.indices)
     assert seen["embed_tokens.weight"] == first_rank and seen["lm_head.weight"] == last_rank
+    if tied:
+        embedding, head = ranks[first_rank].embed_tokens.weight, ranks[last_rank].lm_head.weight
+        assert head is not embedding and torch.equal(head.detach(), embedding.detach())  # a copy, equal at start
+        shared = ref_grads["embed_tokens.weight"]
+        assert not torch.allclose(embedding.grad, shared, rtol=1e-3)  # each copy holds only its own part …
+        torch.testing.assert_close(embedding.grad + head.grad, shared, rtol=1e-5, atol=1e-7)  # … they add up
 
 
 def test_pipelined_lm_state_dict_uses_the_decoder_names():
@@ -299,11 +312,8 @@ def test_pipelined_lm_state_dict_uses_the_decoder_names():
 
 # ---------------------------------------------------------------- config rejections
 
-UNTIED = "--model.language.tie_embeddings=false"
-
-
 def _pp_overrides(*extra: str, pp: int = 2, world: int = 2, layers: int = 4, m: int = 2) -> list[str]:
-    return [*TINY_MODEL_OVERRIDES, UNTIED, f"--model.language.num_layers={layers}", f"--layout.world_size={world}",
+    return [*TINY_MODEL_OVERRIDES, f"--model.language.num_layers={layers}", f"--layout.world_size={world}",
             f"--layout.language.pp={pp}", f"--train.microbatches={m}", "--data.tokens_per_microbatch=512", *extra]
 
 
@@ -358,8 +368,6 @@ REJECTED = {
                          ["parallel.pp_schedule", "'pipedream'", "1f1b", "zbv", "interleaved_1f1b"]),
     "thd-without-budget": (_pp_overrides("--data.tokens_per_microbatch=0"), 2,
                            ["pp > 1", "data.tokens_per_microbatch"]),
-    "tied-embeddings": (_pp_overrides("--model.language.tie_embeddings=true"), 2,
-                        ["model.language.tie_embeddings", "pp > 1"]),
     "encoder-pp": (_pp_overrides("--layout.vision.pp=2"), 2, ["vision", "pp = 2", "unpipelined"]),
     "grad-reduce-unknown": (_pp_overrides("--parallel.pp_grad_reduce=sometimes"), 2,
                             ["parallel.pp_grad_reduce", "'sometimes'", "'step'", "'microbatch'"]),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from torch.distributed.tensor import DTensor
 
 from loom.models.attention import TokenLayout
 from loom.models.llm import DecoderLM, LLMConfig, embed_with_inserts
+
+if TYPE_CHECKING:
+    from loom.parallel.tied import TiedEmbedding
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -176,6 +180,9 @@ class PipelinedLM(nn.Module):
         self.layers = nn.ModuleDict({i: layer for s in stages for i, layer in s.layers.items()})
         self.rotary = llm.rotary
         self.stages = stages  # a plain list: the stages' parameters are registered once, above
+        # name here → the one-process name of the weight it copies: the head's copy of a tied embedding
+        tied = llm.cfg.tie_embeddings and "lm_head" in self._modules
+        self.tied_copies = {"lm_head.weight": "embed_tokens.weight"} if tied else {}
 
     @property
     def table(self) -> MicrobatchTable:
@@ -188,6 +195,11 @@ def split_language(llm: DecoderLM, pp_rank: int, pp: int, virtual: int, schedule
     n_stages = pp * virtual  # zbv: validated to 2 per rank
     layers = split_layers(llm.cfg, n_stages, sizes)
     indices = stages_of_rank(pp_rank, pp, virtual, schedule)
+    if llm.cfg.tie_embeddings and n_stages - 1 in indices:
+        # one Parameter cannot live on two ranks, nor in two FSDP2 roots (zbv): the head gets its own copy of
+        # the embedding, and the two gradients are summed after the schedule (parallel/tied.py)
+        embed = llm.embed_tokens.weight
+        llm.lm_head.weight = nn.Parameter(embed.detach().clone(), requires_grad=embed.requires_grad)
     table = MicrobatchTable()
     stages = [LLMStage(llm, layers[s], s == 0, s == n_stages - 1, table) for s in indices]
     return PipelinedLM(llm, stages, indices, n_stages)
@@ -219,8 +231,10 @@ class Pipeline:
     first step, when the (fixed) microbatch shape is known: the schedule allocates its buffers once."""
 
     def __init__(self, lm: PipelinedLM, schedule: str, microbatches: int, group: dist.ProcessGroup,
-                 device: torch.device, hidden_dtype: torch.dtype, tp_shards: int, grad_reduce: str = "step") -> None:
+                 device: torch.device, hidden_dtype: torch.dtype, tp_shards: int, grad_reduce: str = "step",
+                 tied: TiedEmbedding | None = None) -> None:
         self.lm, self.indices, self.table, self.n_stages = lm, lm.indices, lm.table, lm.n_stages
+        self.tied = tied  # an embedding tied to the head: its two copies' gradients are summed after the schedule
         self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
         self.stage_class = ShardedGradStage if grad_reduce == "microbatch" else PipelineStage
         self.hidden_dtype, self.tp_shards = hidden_dtype, tp_shards  # tp_shards: tokens split over tp (SP)
@@ -246,7 +260,8 @@ class Pipeline:
                             loss_fn=lambda loss, _mb: loss, scale_grads=False)
 
     def run(self, ids: list[torch.Tensor], rows: list[MicrobatchData], divisor: int, token_loss) -> torch.Tensor:
-        """Forward and backward of every microbatch. `ids`: each microbatch's stage-0 token ids (one shape);
+        """Forward and backward of every microbatch, then a tied embedding's two gradients summed. `ids`: each
+        microbatch's stage-0 token ids (one shape);
         `rows`: each microbatch's host-built data; `divisor`: the step's global supervised-token count.
         Returns this rank's summed (scaled) losses: 0 off the last stage."""
         if self.schedule is None:
@@ -259,4 +274,6 @@ class Pipeline:
             self.schedule.step(torch.cat(ids), target=mb, losses=losses, mb=mb, return_outputs=False)
         finally:
             self.table.rows = []
+        if self.tied is not None:
+            self.tied.sum_grads()
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)

@@ -95,10 +95,6 @@ def _check_pipeline(lay: Layout, cfg: JobConfig) -> None:
         raise ConfigError(f"parallel.pp_split = {split}: expected {stages} stage sizes (pp · pp_virtual_stages), "
                           f"each ≥ 1, adding up to model.language.num_layers = {lm.num_layers}; it has "
                           f"{len(split)} adding up to {sum(split)}")
-    if lm.tie_embeddings:
-        raise ConfigError("model.language.tie_embeddings = true with pp > 1: the embedding (first stage) and the "
-                          "LM head (last stage) would share one weight across ranks, which is not built yet; "
-                          "set tie_embeddings = false or pp = 1")
     if cfg.data.format == "thd" and not cfg.data.tokens_per_microbatch:
         raise ConfigError("language: pp > 1 sends fixed-shape activations between stages; set "
                           "data.tokens_per_microbatch (T tokens per microbatch), e.g. 2048")

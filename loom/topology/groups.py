@@ -57,6 +57,7 @@ class GroupRegistry:
                 raise ValueError(f"group dims {dims} must be a non-empty subset of {DIMS}, in that order")
         self.created = 0  # groups this registry created (rank sets no earlier build had)
         self._groups = _GROUPS
+        self._named: dict[str, list[tuple[int, ...]]] = {}  # add(): name → its rank sets
 
     def build(self, grids: list[Grid]) -> None:
         me = dist.get_rank()
@@ -80,6 +81,22 @@ class GroupRegistry:
         if group is None:
             raise KeyError(f"no process group for ranks {ranks} on rank {dist.get_rank()}")
         return group
+
+    def add(self, name: str, rank_sets: list[tuple[int, ...]]) -> None:
+        """Groups that are no grid's dim set, under `name` (e.g. parallel/tied.py's pairs of a tied embedding's
+        stage-0 and last-stage ranks). Every rank calls it after build(), with the same sets in one order."""
+        me = dist.get_rank()
+        self._named[name] = [tuple(ranks) for ranks in rank_sets]
+        for ranks in self._named[name]:
+            if ranks not in self._groups:
+                group = dist.new_group(list(ranks))  # every rank calls it: world collective
+                self._groups[ranks] = group if me in ranks else None
+                self.created += 1
+
+    def named(self, name: str) -> dist.ProcessGroup | None:
+        """This rank's group among the sets added as `name`; None when it is in none of them."""
+        me = dist.get_rank()
+        return next((self._groups[ranks] for ranks in self._named[name] if me in ranks), None)
 
     @staticmethod
     def destroy_all() -> None:

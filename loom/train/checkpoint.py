@@ -94,7 +94,9 @@ def save_sharded_as_full(
     if spread is not None:
         moments = gather_reported(moments, spread)
     if dist.get_rank() == 0:
+        # `names` keeps a tied weight once: a pipelined LLM's head copy of the embedding (equal to it) is dropped
         weights = {k: v.contiguous() for k, v in weights.items() if k in names}
+        moments = {k: v for k, v in moments.items() if k.rsplit(".", 1)[0] in names}
         write_checkpoint(path, weights, moments, step, extra)
     dist.barrier()
 

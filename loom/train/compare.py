@@ -66,15 +66,18 @@ class Agreement:
     ref_sq: float = 0.0  # Σ x_ref²
     diff_sq: float = 0.0  # Σ (x − x_ref)²
 
-    def add(self, x: torch.Tensor, ref: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, ref: torch.Tensor, twin: bool = False) -> None:
+        """`twin`: a second copy of a reference tensor already added (a tied weight's head copy under pp): its
+        differences count, its norms not a second time."""
         if ref.numel() == 0:
             return
         x, ref = x.detach().to(ref.device, torch.float32), ref.detach().float()
         d = x - ref
         self.max_diff = worst(self.max_diff, float(d.abs().max()))
         self.max_ref = worst(self.max_ref, float(ref.abs().max()))
-        self.sq += float(x.square().sum())
-        self.ref_sq += float(ref.square().sum())
+        if not twin:
+            self.sq += float(x.square().sum())
+            self.ref_sq += float(ref.square().sum())
         self.diff_sq += float(d.square().sum())
 
     @property

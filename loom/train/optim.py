@@ -135,8 +135,7 @@ def clip_and_check(model: nn.Module, max_norm: float, share: GradNormShare | Non
         sq = dict.fromkeys(share.modules, 0.0)
         for name in share.modules:
             if name in share.hosted:  # every rank of the module: the norm's reduction is a collective
-                sq[name] = float(global_grad_norm([p for p in model.get_submodule(name).parameters()
-                                                   if p.grad is not None])) ** 2
+                sq[name] = float(global_grad_norm(counted_once(model.get_submodule(name)))) ** 2
         not_finite = float(not all(math.isfinite(v) for v in sq.values()))
         summed = reduce_values([v if n in share.adds else 0.0 for n, v in sq.items()] + [not_finite],
                                dist.ReduceOp.SUM, None)
@@ -147,6 +146,13 @@ def clip_and_check(model: nn.Module, max_norm: float, share: GradNormShare | Non
         for grads in _grads_by_mesh(params):
             torch._foreach_mul_(grads, coef)  # a few launches, not one per parameter
     return norm, finite
+
+
+def counted_once(module: nn.Module) -> list[nn.Parameter]:
+    """`module`'s parameters with gradients, less its copies of a weight held elsewhere too (a pipelined LLM's
+    head copy of the tied embedding, parallel/tied.py: the same gradient as the embedding on stage 0)."""
+    copies = {id(module.get_parameter(name)) for name in getattr(module, "tied_copies", {})}
+    return [p for p in module.parameters() if p.grad is not None and id(p) not in copies]
 
 
 def reduce_values(values: list[float], op, group: dist.ProcessGroup | None) -> list[float]:
