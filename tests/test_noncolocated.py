@@ -23,6 +23,10 @@ LAYOUTS = {
     "encoders-dp1-llm-dp2-fan-out-m4": (3, placed("0-0", "1-2", m=4, tokens=256)),
     "llm-cp2-receives": (3, placed("0-0", "1-2", language_cp=2)),
     "llm-tp2-receives": (3, placed("0-0", "1-2", language_tp=2)),
+    # one multi-module pipeline: encoder stage, then the LLM's stages
+    "llm-pp2-1f1b-m2": (3, placed("0-0", "1-2", language_pp=2)),
+    "encoders-tp2-llm-pp3xtp2-m4": (8, placed("0-1", "2-7", m=4, tokens=256, vision_tp=2, language_pp=3,
+                                              language_tp=2)),
 }
 
 

@@ -118,6 +118,9 @@ def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[i
 # ---------------------------------------------------------------- stage modules
 
 
+MicrobatchInserts = dict[int, torch.Tensor] | Callable[[], dict[int, torch.Tensor]]
+
+
 @dataclass
 class MicrobatchData:
     """What every stage needs of one microbatch besides the hidden states: built from host data."""
@@ -125,7 +128,12 @@ class MicrobatchData:
     positions: torch.Tensor
     layout: TokenLayout
     labels: torch.Tensor
-    inserts: dict[int, torch.Tensor] = field(default_factory=dict)  # stage 0: placeholder id → its rows
+    # stage 0: placeholder id → its rows, or a function that returns them when the stage's forward runs
+    # (non-colocated: the rows arrive from the encoder ranks while the schedule runs)
+    inserts: MicrobatchInserts = field(default_factory=dict)
+
+    def stage_inserts(self) -> dict[int, torch.Tensor]:
+        return self.inserts() if callable(self.inserts) else self.inserts
 
 
 class MicrobatchTable:
@@ -155,7 +163,7 @@ class LLMStage(nn.Module):
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         data = self.table[mb]
-        h = embed_with_inserts(self.embed_tokens, x, data.inserts) if self.embed_tokens is not None else x
+        h = embed_with_inserts(self.embed_tokens, x, data.stage_inserts()) if self.embed_tokens is not None else x
         rope = self.rotary(data.positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, data.layout)
@@ -208,7 +216,26 @@ def split_language(llm: DecoderLM, pp_rank: int, pp: int, virtual: int, schedule
 # ---------------------------------------------------------------- the schedule
 
 
-class ShardedGradStage(PipelineStage):
+class LoomStage(PipelineStage):
+    """A PipelineStage that calls `after_backward(mb)` once its backward of microbatch `mb` is complete (the
+    non-colocated step returns stage 0's modality-row gradients to the encoder ranks then); the pipelining
+    stack has no such hook."""
+
+    after_backward: Callable[[int], None] | None = None
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if full_backward and self.after_backward is not None:
+            self.after_backward(bwd_chunk_id)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        # zero-bubble: the first stage runs its whole backward here (it has no input gradient to send)
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.after_backward is not None:
+            self.after_backward(bwd_chunk_id)
+
+
+class ShardedGradStage(LoomStage):
     """A stage whose FSDP2 module reduce-scatters its gradients and reshards after every microbatch's
     backward, as FSDP2 does without a pipeline (`parallel.pp_grad_reduce = "microbatch"`). The schedule's
     closing `perform_reduce_grad` then finds no unsharded gradient left and reduces nothing a second time."""
@@ -236,10 +263,10 @@ class Pipeline:
         self.lm, self.indices, self.table, self.n_stages = lm, lm.indices, lm.table, lm.n_stages
         self.tied = tied  # an embedding tied to the head: its two copies' gradients are summed after the schedule
         self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
-        self.stage_class = ShardedGradStage if grad_reduce == "microbatch" else PipelineStage
+        self.stage_class = ShardedGradStage if grad_reduce == "microbatch" else LoomStage
         self.hidden_dtype, self.tp_shards = hidden_dtype, tp_shards  # tp_shards: tokens split over tp (SP)
         self.first = 0 in self.indices  # this rank runs stage 0: it embeds and inserts the modality rows
-        self.schedule = None
+        self.schedule, self.stages = None, []
 
     def _build(self, ids: torch.Tensor) -> None:
         hidden = [*ids.shape, self.lm.cfg.hidden_size]
@@ -254,18 +281,23 @@ class Pipeline:
             outputs = (meta((), torch.float32) if last else meta(hidden, self.hidden_dtype)).requires_grad_()
             stages.append(self.stage_class(module, s, self.n_stages, self.device, input_args=inputs,
                                            output_args=outputs, group=self.group))
+        self.stages = stages
         cls = SCHEDULES[self.schedule_name]
         # the last stage's loss is already divided by the global token count: nothing to scale
         self.schedule = cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages, self.microbatches,
                             loss_fn=lambda loss, _mb: loss, scale_grads=False)
 
-    def run(self, ids: list[torch.Tensor], rows: list[MicrobatchData], divisor: int, token_loss) -> torch.Tensor:
+    def run(self, ids: list[torch.Tensor], rows: list[MicrobatchData], divisor: int, token_loss,
+            after_first_stage_backward: Callable[[int], None] | None = None) -> torch.Tensor:
         """Forward and backward of every microbatch, then a tied embedding's two gradients summed. `ids`: each
         microbatch's stage-0 token ids (one shape);
         `rows`: each microbatch's host-built data; `divisor`: the step's global supervised-token count.
+        `after_first_stage_backward(mb)`: called on stage 0 when microbatch mb's backward is done.
         Returns this rank's summed (scaled) losses: 0 off the last stage."""
         if self.schedule is None:
             self._build(ids[0])
+        for stage in self.stages:
+            stage.after_backward = after_first_stage_backward if stage.stage_index == 0 else None
         self.table.rows, self.table.divisor, self.table.token_loss = rows, divisor, token_loss
         mb = torch.arange(self.microbatches)
         losses: list[torch.Tensor] = []

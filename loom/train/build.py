@@ -12,7 +12,7 @@ import torch.distributed as dist
 from loom.bridge.colocated import ColocatedBridge
 from loom.bridge.first_stage import FirstStageBridge
 from loom.bridge.p2p import P2PBridge, gradient_return_group
-from loom.config import ConfigError, JobConfig
+from loom.config import JobConfig
 from loom.data.format import TokenCounter, to_sample
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
@@ -29,7 +29,12 @@ from loom.topology import Topology
 from loom.topology.checks import sample_multiple
 from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
 from loom.train.optim import GradNormShare, freeze_modules
-from loom.train.noncolocated_step import encoder_train_step, encoder_warmup, llm_train_step
+from loom.train.noncolocated_step import (
+    encoder_train_step,
+    encoder_warmup,
+    llm_train_step,
+    pipelined_llm_train_step,
+)
 from loom.train.pipeline_step import pipelined_train_step
 from loom.train.step import StepComms, StepResult, train_step
 
@@ -119,6 +124,9 @@ class RankPlan:
             if "language" not in self.hosted:
                 return encoder_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
                                           list(self.hosted), self.encoder_warmup, self.rows_like, inspect_grads)
+            if self.pipeline is not None:
+                return pipelined_llm_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
+                                                self.pipeline, self.rows_like, inspect_grads)
             return llm_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
                                   self.rows_like, inspect_grads)
         if self.pipeline is not None:
@@ -146,7 +154,6 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
     if not dist.is_initialized():
         return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple, hosted=tuple(modules))
     topo = Topology.build(cfg)
-    _require_supported(topo)
     tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
     me = topo.role()
     for name in modules:  # non-colocated: a rank keeps only the modules it hosts
@@ -216,9 +223,4 @@ def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: 
     if skipped:
         inputs.stats["skipped_too_long"] = float(skipped)
     return inputs
-
-
-def _require_supported(topo: Topology) -> None:
-    if not topo.placement.colocated and topo.grids["language"].layout.pp > 1:
-        raise ConfigError("a pipelined LLM (pp > 1) on its own ranks is not built yet")
 

@@ -17,6 +17,7 @@ one lr: train/step.py `finish_step`.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
@@ -26,9 +27,11 @@ from loom.config import TrainConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.context import shard_for_context
 from loom.parallel.fsdp import set_gradient_sync
+from loom.parallel.pipeline import Pipeline
 from loom.train.inputs import StepBatch, StepInputs
 from loom.train.loss import loss_function
 from loom.train.optim import set_lr
+from loom.train.pipeline_step import schedule_inputs
 from loom.train.step import StepComms, StepResult, finish_step, local_tensor
 
 
@@ -132,3 +135,22 @@ def llm_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, cfg: T
         loss_total = loss_total + local_tensor(loss_sum.detach())
     rows.finish()
     return finish_step(model, optimizer, float(loss_total) / n_tokens, lr, cfg, comms, inspect_grads)
+
+
+def pipelined_llm_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, cfg: TrainConfig, step: int,
+                             comms: StepComms, bridges: dict[str, P2PBridge], pipeline: Pipeline,
+                             like: torch.Tensor, inspect_grads=None) -> StepResult:
+    """An LLM rank's step when the LLM is pipelined: the schedule runs every microbatch; stage 0 inserts each
+    microbatch's rows as its forward runs and returns their gradients as its backward ends."""
+    n_tokens = max(1, inputs.supervised)
+    lr = set_lr(optimizer, step, cfg)
+    micro = inputs.microbatches
+    rows = ReceivedRows(model, bridges, micro, like) if pipeline.first else None
+    ids, data = schedule_inputs(model, micro, comms,
+                                lambda i, selectors: functools.partial(rows.inserts, i, selectors) if rows else {})
+    with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
+        loss = pipeline.run(ids, data, n_tokens, loss_function(cfg.compile, comms.loss_parallel),
+                            rows.return_grads if rows else None)
+    if rows is not None:
+        rows.finish()
+    return finish_step(model, optimizer, float(loss), lr, cfg, comms, inspect_grads)

@@ -17,6 +17,7 @@ step or a skip on every rank (train/step.py `finish_step`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
@@ -26,8 +27,8 @@ from loom.config import TrainConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.context import shard_for_context
 from loom.parallel.fsdp import set_gradient_sync
-from loom.parallel.pipeline import MicrobatchData, Pipeline
-from loom.train.inputs import StepInputs
+from loom.parallel.pipeline import MicrobatchData, MicrobatchInserts, Pipeline
+from loom.train.inputs import StepBatch, StepInputs
 from loom.train.loss import loss_function
 from loom.train.optim import set_lr
 from loom.train.step import StepComms, StepResult, finish_step
@@ -49,23 +50,21 @@ def pipelined_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, 
         rows[name] = None if delivered is None else delivered.requires_grad_()
 
     # phase 2: the LLM's schedule over the microbatches
-    ids, data, taken = [], [], dict.fromkeys(rows, 0)
-    for mb in micro:
-        batch, selectors = mb.llm, None
-        if comms.cp_group is not None:
-            batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
-        inserts = {}
-        if pipeline.first:
-            slots = {name: mb.llm.count(pid) for name, pid in model.placeholder_ids.items()}
-            mine = {}
-            for name, r in rows.items():
-                mine[name] = r[taken[name] : taken[name] + slots[name]]
-                taken[name] += slots[name]
-            inserts = model.inserts(mb.llm.input_ids, mine, slots)  # checked against the whole microbatch
-            if selectors:
-                inserts = {pid: part[selectors[pid]] for pid, part in inserts.items()}
-        ids.append(batch.input_ids)
-        data.append(MicrobatchData(batch.positions, batch.layout, batch.labels, inserts))
+    taken = dict.fromkeys(rows, 0)
+
+    def inserts(i: int, selectors: dict | None) -> dict:
+        if not pipeline.first:
+            return {}
+        mb = micro[i]
+        slots = {name: mb.llm.count(pid) for name, pid in model.placeholder_ids.items()}
+        mine = {}
+        for name, r in rows.items():
+            mine[name] = r[taken[name] : taken[name] + slots[name]]
+            taken[name] += slots[name]
+        out = model.inserts(mb.llm.input_ids, mine, slots)  # checked against the whole microbatch
+        return {pid: part[selectors[pid]] for pid, part in out.items()} if selectors else out
+
+    ids, data = schedule_inputs(model, micro, comms, inserts)
     with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
         loss = pipeline.run(ids, data, n_tokens, loss_function(cfg.compile, comms.loss_parallel))
 
@@ -76,3 +75,18 @@ def pipelined_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, 
         encoded[name].backward(bridges[name].backward(grad, [mb.rows[name] for mb in micro], encoded[name]))
 
     return finish_step(model, optimizer, float(loss), lr, cfg, comms, inspect_grads)
+
+
+def schedule_inputs(model: MultimodalModel, micro: list[StepBatch], comms: StepComms,
+                    inserts: Callable[[int, dict | None], MicrobatchInserts]) -> tuple[list, list[MicrobatchData]]:
+    """Each microbatch's stage-0 token ids (this cp rank's shard) and host-built data for the schedule;
+    `inserts(i, selectors)`: microbatch i's modality rows by placeholder id, this cp rank's under `selectors`
+    (or a function the stage calls for them)."""
+    ids, data = [], []
+    for i, mb in enumerate(micro):
+        batch, selectors = mb.llm, None
+        if comms.cp_group is not None:
+            batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
+        ids.append(batch.input_ids)
+        data.append(MicrobatchData(batch.positions, batch.layout, batch.labels, inserts(i, selectors)))
+    return ids, data
