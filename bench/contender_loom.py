@@ -31,12 +31,12 @@ class LoomContender:
         }
         self.counters = token_counters(m)
         self.plan = setup_parallel(m, cfg, device)
-        self.optimizer = ModuleOptimizers(m, [*m.encoder_names, "language"], cfg.train)
+        self.optimizer = ModuleOptimizers(m, list(self.plan.hosted), cfg.train)
         self._computed, self._real = 0, 0
 
     def inputs(self, step: int) -> StepInputs:
         inputs = step_inputs(self.workload, step, self.plan, self.cfg, self.tok, self.counters, self.device)
-        self._computed += sum(m.llm.input_ids.numel() for m in inputs.microbatches)
+        self._computed += sum(m.llm.input_ids.numel() for m in inputs.microbatches if m.llm is not None)
         self._real += inputs.tokens
         return inputs
 
@@ -49,5 +49,5 @@ class LoomContender:
     def flops(self, step: int) -> float:
         return flops_of(self.workload.global_batch(step), self.spec)
 
-    def padding_fraction(self) -> float:
-        return 1 - self._real / max(1, self._computed)
+    def padding_fraction(self) -> float | None:
+        return 1 - self._real / self._computed if self._computed else None  # None: this rank runs no LLM

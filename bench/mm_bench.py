@@ -19,6 +19,7 @@ data.tokens_per_microbatch=SEQ`, or `--format bshd`, whose rows are fixed to the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,6 +39,11 @@ LLM = ["--model.language.hidden_size=1536", "--model.language.num_layers=28", "-
        "--model.language.num_kv_heads=2", "--model.language.intermediate_size=8960",
        "--model.language.vocab_size=151936", "--model.language.attention_bias=true",
        "--model.language.rope_theta=1000000.0"]
+# an encoder-heavy pairing: a Qwen2.5-0.5B-shaped LLM after the same ViT (its matmuls about the ViT's size)
+LLM_SMALL = ["--model.language.hidden_size=896", "--model.language.num_layers=24", "--model.language.num_heads=14",
+             "--model.language.num_kv_heads=2", "--model.language.intermediate_size=4864",
+             "--model.language.vocab_size=151936", "--model.language.attention_bias=true",
+             "--model.language.rope_theta=1000000.0"]
 VIT = ["--model.vision.hidden_size=1152", "--model.vision.num_layers=27", "--model.vision.num_heads=16",
        "--model.vision.intermediate_size=4304", "--model.vision.patch_size=14", "--model.vision.position_grid=27"]
 AUDIO = ["--model.audio.num_features=80", "--model.audio.hidden_size=384", "--model.audio.num_layers=4",
@@ -88,6 +94,9 @@ def main() -> None:
                         "to each step's longest (shapes change), or fixed to --seq tokens")
     p.add_argument("--adam", choices=("auto", "foreach"), default="auto",
                    help="foreach: the multi-kernel AdamW instead of the fused one loom picks on GPU (A/B)")
+    p.add_argument("--llm", choices=("1.5b", "0.5b"), default="1.5b", help="the LLM's shape (0.5b: encoder-heavy)")
+    p.add_argument("--images", type=int, default=1, help="images per sample")
+    p.add_argument("--per-gpu", type=int, default=0, help="samples per GPU per step (0: 3 per 4096 of --seq)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true")
@@ -98,10 +107,10 @@ def main() -> None:
     device = init_distributed("auto")
     world = dist.get_world_size() if dist.is_initialized() else 1
     gpu = device.type == "cuda"
-    shape = SMALL if args.small else Shape()
-    per_gpu = max(1, SAMPLES_PER_4K * args.seq // 4096)
+    shape = dataclasses.replace(SMALL if args.small else Shape(), images=args.images)
+    per_gpu = args.per_gpu or max(1, SAMPLES_PER_4K * args.seq // 4096)
     workload = PackedSteps(shape, world, per_gpu, args.seq)
-    sizes = SMALL_MODEL if args.small else LLM + VIT + AUDIO
+    sizes = SMALL_MODEL if args.small else (LLM if args.llm == "1.5b" else LLM_SMALL) + VIT + AUDIO
     cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
         *padded_overrides(args, shape),
@@ -137,8 +146,9 @@ def main() -> None:
             first_frames = compiled_frames()
     if profiler is not None:
         profiler.__exit__(None, None, None)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            write_profile(profiler, args.profile, sum(times), gpu)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0 or "{rank}" in args.profile:  # "{rank}" in the path: every rank writes its own
+            write_profile(profiler, args.profile.format(rank=rank), sum(times), gpu)
     step_s = sorted(times)[len(times) // 2]
     measured = range(args.warmup, total)
     real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
@@ -151,18 +161,32 @@ def main() -> None:
             "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq, "samples_per_gpu": per_gpu,
             "pad_to": args.pad_to if args.format == "bshd" or args.system == "hf" else None, "adam": args.adam,
             "padded_length": cfg.data.padded_length or None,
+            "llm": args.llm, "images_per_sample": args.images, **placement_of(contender),
             "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(real_tokens / step_s / world, 1),
             "tflops_per_gpu": round(tflops, 1), "peak_matmul_tflops": round(peak, 1),
             "mfu": round(tflops / peak, 4) if gpu else None,
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
-            "padding_fraction": round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
+            "peak_mem_gib": max_over_ranks(round(torch.cuda.max_memory_allocated(device) / 2**20), device) / 1024
+            if gpu else None,  # the fullest GPU (non-colocated ranks hold different modules)
+            "padding_fraction": _round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
             "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
             "step_times": [round(t, 4) for t in times],  # every measured step: a median hides slow ones
         }))
     shutdown()
+
+
+def placement_of(contender) -> dict:
+    """loom's placement and each module's layout (the HF baseline has neither)."""
+    topo = getattr(getattr(contender, "plan", None), "topo", None)
+    if topo is None:
+        return {}
+    return {"placement": topo.placement.kind, "layouts": {n: g.layout.describe() for n, g in topo.grids.items()}}
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def max_over_ranks(value: int, device: torch.device) -> int:

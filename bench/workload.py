@@ -20,12 +20,13 @@ class Shape:
     audio_every: int = 4  # one sample in this many carries a clip
     audio_frames: tuple[int, int] = (200, 600)  # mel frames (100 per second): 100–300 tokens after the conv
     mels: int = 80
+    images: int = 1  # images per sample (more: an encoder-heavy workload)
 
     @property
     def longest(self) -> int:
         """The longest sample `sample` can draw (<bos>, the largest image's patches, the longest clip after
         the stride-2 conv, the longest text): known before any step, as a loom task's longest sample."""
-        return 1 + (self.image_px[1] // self.patch) ** 2 + self.audio_frames[1] // 2 + self.text[1] - 1
+        return 1 + self.images * (self.image_px[1] // self.patch) ** 2 + self.audio_frames[1] // 2 + self.text[1] - 1
 
 
 SMALL = Shape(patch=4, image_px=(16, 32), text=(8, 48), audio_frames=(8, 24), mels=16)
@@ -33,16 +34,16 @@ SMALL = Shape(patch=4, image_px=(16, 32), text=(8, 48), audio_frames=(8, 24), me
 
 def sample(rng: np.random.Generator, shape: Shape, tok: ByteTokenizer) -> Sample:
     side = lambda: int(rng.integers(shape.image_px[0], shape.image_px[1] + 1)) // shape.patch * shape.patch  # noqa: E731
-    h, w = side(), side()
-    image = torch.from_numpy(rng.standard_normal((3, h, w), dtype=np.float32))
+    sizes = [(side(), side()) for _ in range(shape.images)]
+    images = [torch.from_numpy(rng.standard_normal((3, h, w), dtype=np.float32)) for h, w in sizes]
     clips = []
     if rng.integers(shape.audio_every) == 0:
         frames = int(rng.integers(*shape.audio_frames))
         clips = [torch.from_numpy(rng.standard_normal((shape.mels, frames), dtype=np.float32))]
     text = rng.integers(0, 256, int(rng.integers(*shape.text))).tolist()
-    prompt = [tok.bos_id] + [tok.placeholder_ids["vision"]] * ((h // shape.patch) * (w // shape.patch))
+    prompt = [tok.bos_id] + [tok.placeholder_ids["vision"]] * sum((h // shape.patch) * (w // shape.patch) for h, w in sizes)
     prompt += [tok.placeholder_ids["audio"]] * sum((c.shape[1] + 1) // 2 for c in clips)
-    return Sample(prompt + text, [False] * len(prompt) + [True] * len(text), [image], clips)
+    return Sample(prompt + text, [False] * len(prompt) + [True] * len(text), images, clips)
 
 
 class PackedSteps:
