@@ -155,6 +155,7 @@ def main() -> None:
     flops = sum(contender.flops(s) for s in measured) / len(measured)
     tflops = flops / step_s / world / 1e12
     recompiles = max_over_ranks(compiled_frames() - first_frames, device)
+    peak_mib = max_over_ranks(round(torch.cuda.max_memory_allocated(device) / 2**20), device) if gpu else 0
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({
             "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
@@ -166,8 +167,7 @@ def main() -> None:
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(real_tokens / step_s / world, 1),
             "tflops_per_gpu": round(tflops, 1), "peak_matmul_tflops": round(peak, 1),
             "mfu": round(tflops / peak, 4) if gpu else None,
-            "peak_mem_gib": max_over_ranks(round(torch.cuda.max_memory_allocated(device) / 2**20), device) / 1024
-            if gpu else None,  # the fullest GPU (non-colocated ranks hold different modules)
+            "peak_mem_gib": peak_mib / 1024 if gpu else None,  # the fullest GPU (non-colocated ranks differ)
             "padding_fraction": _round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank

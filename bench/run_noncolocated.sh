@@ -13,7 +13,7 @@ out=$1; steps=${STEPS:-6}; warmup=${WARMUP:-2}; seq=${SEQ:-8192}; gpus=${GPUS:-4
 images=${IMAGES:-4}; extra=${EXTRA:-}
 export PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0
 run() {  # a later --seq wins
-  torchrun --standalone --nproc-per-node="$gpus" bench/mm_bench.py --steps "$steps" --warmup "$warmup" --seq "$seq" \
+  timeout "${ROW_TIMEOUT:-300}" torchrun --standalone --nproc-per-node="$gpus" bench/mm_bench.py --steps "$steps" --warmup "$warmup" --seq "$seq" \
     $extra "$@" 2>>"$out.err" | grep '^{' >>"$out" || echo "failed: $*" >&2
 }
 placed() {  # ENC encoder GPUs, then mm_bench arguments
