@@ -52,8 +52,10 @@ def encoder_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, cf
     lr = set_lr(optimizer, step, cfg)
     micro = inputs.microbatches
     n = len(micro)
-    grads = {name: [bridges[name].receive_grads(mb.rows[name], i, like) for i, mb in enumerate(micro)]
-             for name in hosted}
+    # posted microbatch-major, the order the LLM sends in: NCCL matches a pair's messages by order, not tag
+    posted = [{name: bridges[name].receive_grads(mb.rows[name], i, like) for name in hosted}
+              for i, mb in enumerate(micro)]
+    grads = {name: [p[name] for p in posted] for name in hosted}
     outputs: list[dict[str, torch.Tensor] | None] = [None] * n
     sends = []
 
@@ -86,8 +88,10 @@ class ReceivedRows:
     def __init__(self, model: MultimodalModel, bridges: dict[str, P2PBridge], micro: list[StepBatch],
                  like: torch.Tensor) -> None:
         self.model, self.bridges, self.micro = model, bridges, micro
-        self.incoming: dict[str, list[Incoming]] = {
-            name: [b.receive_rows(mb.rows[name], i, like) for i, mb in enumerate(micro)] for name, b in bridges.items()}
+        # posted microbatch-major, the order the encoders send in: NCCL matches a pair's messages by order
+        posted = [{name: b.receive_rows(mb.rows[name], i, like) for name, b in bridges.items()}
+                  for i, mb in enumerate(micro)]
+        self.incoming: dict[str, list[Incoming]] = {name: [p[name] for p in posted] for name in bridges}
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}
         self.sends: list = []
 
