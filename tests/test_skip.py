@@ -46,16 +46,17 @@ def _same_state(a: dict, b: dict) -> bool:
         a[p].keys() == b[p].keys() and all(torch.equal(a[p][k], b[p][k]) for k in a[p]) for p in a)
 
 
-def _skip_on_one_rank(out_dir: str, poisoned: str) -> dict:
+def _skip_on_one_rank(out_dir: str, poisoned: str, overrides: list[str]) -> dict:
     import loom.train.step as step_mod
     from loom.train.trainer import Trainer
 
     rank = dist.get_rank()
-    cfg = load_config(None, tiny_job_overrides(out_dir, *OVERRIDES), world_size=dist.get_world_size())
+    cfg = load_config(None, tiny_job_overrides(out_dir, *overrides), world_size=dist.get_world_size())
     t = Trainer(cfg)
     first = t.train_step()
     weights, state, step_before = _weights(t.model), _opt_state(t.optimizer), t.step
-    param = t.model.get_parameter(poisoned)
+    held = {name for name, _ in t.model.named_parameters()}  # non-colocated: a rank holds only its modules
+    param = t.model.get_parameter(poisoned) if poisoned in held else None
     original, local_finite = step_mod.clip_and_check, []
 
     def poisoned_clip_and_check(model, max_norm, share=None):
@@ -73,7 +74,7 @@ def _skip_on_one_rank(out_dir: str, poisoned: str) -> dict:
         step_mod.clip_and_check = original
     out = {
         "placements": str(getattr(param, "placements", "plain")),
-        "shard_numel": _local(param).numel(),
+        "shard_numel": None if param is None else _local(param).numel(),
         "first_skipped": first.skipped,
         "state_params": len(state),
         "step_before": step_before,
@@ -98,18 +99,25 @@ def _skip_on_one_rank(out_dir: str, poisoned: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("poisoned", [
-    "vision.encoder.patch_embedding.weight",  # vision's dp mesh only: its tp pair (ranks 2, 3) hold copies
-    "vision.encoder.layers.0.mlp.fc1.weight",  # sharded over vision's dp × tp mesh
-    "language.embed_tokens.weight",  # sharded over the LLM's dp4
-])
-def test_nan_on_one_rank_skips_the_step_everywhere(worlds, tmp_path, poisoned):
+# the encoders on ranks 0-1 (vision tp2), the LLM dp2 on ranks 2-3: the NaN is on an LLM rank, and the
+# encoder ranks, which never see the LLM's gradients, must skip too (Megatron #5331)
+NONCOLOCATED = OVERRIDES + ["--layout.vision.ranks=0-1", "--layout.audio.ranks=0-1", "--layout.language.ranks=2-3"]
+
+
+@pytest.mark.parametrize("poisoned,overrides", [
+    ("vision.encoder.patch_embedding.weight", OVERRIDES),  # vision's dp mesh only: its tp pair (2, 3) hold copies
+    ("vision.encoder.layers.0.mlp.fc1.weight", OVERRIDES),  # sharded over vision's dp × tp mesh
+    ("language.embed_tokens.weight", OVERRIDES),  # sharded over the LLM's dp4
+    ("language.embed_tokens.weight", NONCOLOCATED),  # sharded over the LLM's dp2 on its own ranks
+], ids=["vision-dp", "vision-dp-tp", "language", "language-noncolocated"])
+def test_nan_on_one_rank_skips_the_step_everywhere(worlds, tmp_path, poisoned, overrides):
     """NaN in one local gradient shard of rank 2 → every rank skips: weights and optimizer state unchanged
     bit for bit, step counters and lr equal across ranks, and the next step trains normally on all."""
-    per_rank = worlds.run(4, _skip_on_one_rank, str(tmp_path), poisoned, timeout=300)
+    per_rank = worlds.run(4, _skip_on_one_rank, str(tmp_path), poisoned, overrides, timeout=300)
+    assert per_rank[BAD_RANK]["shard_numel"], f"rank {BAD_RANK} holds no shard of {poisoned}"
     for rank, r in enumerate(per_rank):
         where = f"rank {rank}, NaN in {poisoned} {r['placements']} on rank {BAD_RANK}"
-        assert r["shard_numel"] > 0, where
+        assert r["shard_numel"] is None or r["shard_numel"] > 0, where
         assert not r["first_skipped"] and r["state_params"] > 0, where  # AdamW moments exist before the fault
         assert r["local_finite"] == [rank != BAD_RANK], f"{where}: the fault must be on rank {BAD_RANK} alone"
         assert r["skipped"] and not math.isfinite(r["grad_norm"]), f"{where}: step taken, grad norm {r['grad_norm']}"
