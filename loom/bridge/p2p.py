@@ -110,13 +110,3 @@ class P2PBridge:
                 works += [dist.isend(payload, r, self.grads_group, tag=self._tag(mb)) for r in self.producers[c.encoder]]
         return works
 
-
-_GRADIENT_RETURN: list[dist.ProcessGroup] = []
-
-
-def gradient_return_group() -> dist.ProcessGroup:
-    """The second world group, for row gradients (rows go over the default group; see the module docstring).
-    Created once per process, by every rank (`new_group` is a world collective)."""
-    if not _GRADIENT_RETURN:
-        _GRADIENT_RETURN.append(dist.new_group(list(range(dist.get_world_size()))))
-    return _GRADIENT_RETURN[0]

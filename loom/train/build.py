@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from loom.bridge.colocated import ColocatedBridge
 from loom.bridge.first_stage import FirstStageBridge
-from loom.bridge.p2p import P2PBridge, gradient_return_group
+from loom.bridge.p2p import P2PBridge
 from loom.config import JobConfig
 from loom.data.format import TokenCounter, to_sample
 from loom.data.loader import GlobalBatches
@@ -188,8 +188,11 @@ def _bridges(topo: Topology, model: MultimodalModel, cfg: JobConfig) -> dict:
     LLM's first pipeline stage (pp > 1) or into its replicas (pp = 1). Built on every rank, in one order."""
     lang, names = topo.grids["language"], model.encoder_names
     if not topo.placement.colocated:
-        rows_group, grads_group = dist.group.WORLD, gradient_return_group()
-        return {m: P2PBridge(topo.grids[m], lang, rows_group, grads_group, i, len(names)) for i, m in enumerate(names)}
+        # the row gradients travel on a second group over the world (bridge/p2p.py says why)
+        topo.registry.add("bridge: row gradients", [tuple(range(topo.placement.world_size))])
+        grads_group = topo.registry.named("bridge: row gradients")
+        return {m: P2PBridge(topo.grids[m], lang, dist.group.WORLD, grads_group, i, len(names))
+                for i, m in enumerate(names)}
     if lang.layout.pp > 1:
         return {m: FirstStageBridge(topo.grids[m], lang) for m in names}
     return {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in names}
