@@ -27,12 +27,12 @@ def test_default_is_data_parallel_everywhere():
 
 
 def test_unlisted_encoder_follows_language_ranks():
-    topo = plan(8, '--layout.language.ranks="4-7"', "--layout.language.tp=2",
-                '--layout.vision.ranks="0-3"')
-    assert degrees(topo, "language") == (2, 1, 1, 2, range(4, 8))
-    assert degrees(topo, "vision") == (1, 1, 1, 4, range(0, 4))
-    assert degrees(topo, "audio") == (1, 1, 1, 4, range(4, 8))  # not listed: the LLM's ranks, dp only
-    assert topo.placement.kind == "non-colocated"
+    topo = plan(8, "--layout.language.tp=2", '--layout.vision.ranks="0-7"', "--layout.vision.tp=2")
+    assert degrees(topo, "audio") == (1, 1, 1, 8, range(0, 8))  # not listed: the LLM's ranks, dp only
+    assert topo.placement.kind == "colocated"
+    # so with the vision encoder on ranks of its own, the unlisted audio encoder would sit on the LLM's: refused
+    with pytest.raises(ConfigError, match="audio share the language model's ranks 4-7"):
+        plan(8, '--layout.language.ranks="4-7"', '--layout.vision.ranks="0-3"')
 
 
 def test_heterogeneous_colocated():
@@ -69,6 +69,8 @@ INVALID = [
     (8, ['--layout.vision.ranks="0-1"', '--layout.audio.ranks="0-1"', '--layout.language.ranks="4-7"'],
      ["ranks [2, 3]", "tile"]),
     (8, ['--layout.language.ranks="0-3"'], ["ranks [4, 5, 6, 7]", "idle"]),
+    (8, ['--layout.vision.ranks="0-3"', '--layout.audio.ranks="4-7"', '--layout.language.ranks="0-3"'],
+     ["vision share the language model's ranks 0-3", "layout.vision.ranks"]),
     (8, ["--layout.language.tp=8", "--model.language.num_kv_heads=4"],
      ["language", "tp = 8", "model.language.num_heads = 4", "tp ∈ {1, 2, 4}"]),
     (4, ["--layout.language.tp=4"], ["language", "tp = 4", "num_kv_heads = 2", "tp ∈ {1, 2}"]),

@@ -143,6 +143,13 @@ def _check_placement(layouts: dict[str, Layout], world_size: int) -> None:
                     f"ranks {sorted(common)}; modules must share exactly the same ranks (colocated) or "
                     f"disjoint ranges (non-colocated)"
                 )
+    lang = spans["language"]
+    mixed = [name for name, span in spans.items() if name != "language" and span == lang]
+    if mixed:  # one placement per job: the bridges are either all collectives or all point-to-point
+        raise ConfigError(
+            f"{', '.join(mixed)} share the language model's ranks {lang.start}-{lang[-1]} while another module "
+            f"has its own ranks; in a non-colocated layout every encoder needs ranks apart from the LLM's (give "
+            f"layout.{mixed[0]}.ranks the encoders' range), or put every module on the same ranks")
     covered = set().union(*map(set, spans.values()))
     gaps = sorted(set(range(world_size)) - covered)
     if gaps:
