@@ -114,16 +114,26 @@ def _p2p_log(overrides: list[str]) -> list[tuple]:
     return log
 
 
-@pytest.mark.parametrize("name", ["encoders-dp2-llm-dp1-fan-in", "llm-pp2-1f1b-m2"])
-def test_bridge_messages_are_posted_in_the_same_order_on_both_sides(worlds, name):
-    """NCCL matches a pair's messages on one group by their order, not by tag (gloo, which CI runs, matches
-    tags): for every group and every sender → receiver pair, the receiver posts its receives in the order the
-    sender posts its sends, with the same sizes."""
-    world, overrides = LAYOUTS[name]
+ORDER_CASES = {
+    "fan-in": LAYOUTS["encoders-dp2-llm-dp1-fan-in"],
+    "fan-out-m4": LAYOUTS["encoders-dp1-llm-dp2-fan-out-m4"],
+    "llm-pp2-1f1b-m4": (3, placed("0-0", "1-2", m=4, tokens=256, language_pp=2)),
+    "llm-pp2-gpipe-m2": (3, placed("0-0", "1-2", language_pp=2) + ["--parallel.pp_schedule=gpipe"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ORDER_CASES))
+def test_bridge_messages_are_launched_in_the_same_order_on_both_sides(worlds, name):
+    """NCCL matches a pair's messages by launch order, and a GPU may run its NCCL kernels in launch order, so
+    for every pair of ranks the messages between them (rows and gradients, both groups) must be launched in
+    one order on both sides, with the same sizes. Gloo, which CI runs, matches by tag: parity cannot show it."""
+    world, overrides = ORDER_CASES[name]
     logs = worlds.run(world, _p2p_log, overrides, timeout=300)
-    sent, received = {}, {}
+    between: dict[tuple[int, int], list] = {}  # (this rank, peer) → the messages, in launch order
     for rank, log in enumerate(logs):
         for direction, group, peer, tag, rows in log:
-            pair = (group, rank, peer) if direction == "send" else (group, peer, rank)
-            (sent if direction == "send" else received).setdefault(pair, []).append((tag, rows))
-    assert sent and sent == received
+            src, dst = (rank, peer) if direction == "send" else (peer, rank)
+            between.setdefault((rank, peer), []).append((src, dst, group, tag, rows))
+    assert between
+    for (rank, peer), messages in between.items():
+        assert messages == between.get((peer, rank)), f"ranks {rank} and {peer} launch their messages differently"

@@ -8,10 +8,11 @@ own tokens' rows), goes from the replica's first stage-0 rank to every rank of t
 Routes and row counts come from host data (bridge/routes.py), so no shape is exchanged before a send and
 every receive is posted into its final place.
 
-Rows and gradients travel on two different process groups: NCCL runs a pair's sends and receives of one
-group in one ordered queue, and the two directions are issued in different orders by the two sides (the
-LLM may post every microbatch's receive up front, the encoder waits for gradients between its forwards).
-Within a group a pair's messages are posted in microbatch order on both sides; gloo also gets a tag.
+Ordering: NCCL matches a pair's messages by the order they are launched (and a GPU may run its NCCL
+kernels in launch order), so both sides launch them in one order — the LLM stage 0's forward/backward order
+(train/noncolocated_step.py). Gloo matches by tag: each message's tag is unique per microbatch and bridge,
+and a test checks the launch orders agree, which gloo alone would not show. Rows go over the default
+group, gradients over a group of their own, so the two kinds never share a communicator's queue.
 """
 
 from __future__ import annotations

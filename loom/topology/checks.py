@@ -15,14 +15,18 @@ from loom.topology.layout import Layout, Placement
 def check_placement(placement: Placement, cfg: JobConfig) -> None:
     lang = placement.layouts["language"]
     for name, lay in placement.layouts.items():
-        if name != "language" and lay.ranks == lang.ranks and lay.dp % lang.dp and lang.dp % lay.dp:
+        if name != "language" and lay.dp % lang.dp and lang.dp % lay.dp:
             raise ConfigError(
-                f"{name}: dp = {lay.dp} and language dp = {lang.dp} on the same ranks: one must divide the other, "
-                f"so that each replica of one module holds whole replicas of the other (the bridge moves rows "
-                f"only inside such blocks)"
+                f"{name}: dp = {lay.dp} and language dp = {lang.dp}: one must divide the other, so that each replica "
+                f"of one module serves whole replicas of the other (the bridges route rows between such blocks)"
             )
         if name == "language":
             _check_language(lay, cfg)
+            if not placement.colocated and lay.pp > 1 and cfg.parallel.pp_schedule not in ("1f1b", "gpipe"):
+                raise ConfigError(
+                    f"parallel.pp_schedule = {cfg.parallel.pp_schedule!r} with encoders on ranks of their own: the "
+                    f"encoder ranks follow the LLM stage 0's order of forwards and backwards, known for '1f1b' and "
+                    f"'gpipe' only; use one of them, or put the encoders on the LLM's ranks")
         else:
             _check_encoder(lay, cfg)
         batch, m = cfg.train.global_batch_size, cfg.train.microbatches

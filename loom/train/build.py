@@ -31,9 +31,9 @@ from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
 from loom.train.optim import GradNormShare, freeze_modules
 from loom.train.noncolocated_step import (
     encoder_train_step,
-    encoder_warmup,
     llm_train_step,
     pipelined_llm_train_step,
+    stage0_order,
 )
 from loom.train.pipeline_step import pipelined_train_step
 from loom.train.step import StepComms, StepResult, train_step
@@ -98,7 +98,7 @@ class RankPlan:
     pipeline: Pipeline | None = None  # the LLM's schedule over this rank's stages, when pp > 1
     hosted: tuple[str, ...] = ()  # the modules this rank holds (all of them unless non-colocated)
     rows_like: torch.Tensor | None = None  # non-colocated: the dtype, device and width of the bridged rows
-    encoder_warmup: int = 0  # non-colocated: microbatches an encoder rank runs ahead (noncolocated_step.py)
+    stage0_order: list[tuple[str, int]] = field(default_factory=list)  # non-colocated: the LLM stage 0's F/B order
 
     @property
     def distributed(self) -> bool:
@@ -123,7 +123,7 @@ class RankPlan:
         if self.rows_like is not None:  # non-colocated
             if "language" not in self.hosted:
                 return encoder_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
-                                          list(self.hosted), self.encoder_warmup, self.rows_like, inspect_grads)
+                                          list(self.hosted), self.stage0_order, self.rows_like, inspect_grads)
             if self.pipeline is not None:
                 return pipelined_llm_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
                                                 self.pipeline, self.rows_like, inspect_grads)
@@ -178,8 +178,8 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device)
                     me.modules)
     if not topo.placement.colocated:
         plan.rows_like = torch.empty((0, cfg.model.language.hidden_size), dtype=hidden_dtype, device=device)
-        plan.encoder_warmup = encoder_warmup(cfg.parallel.pp_schedule, lay.pp * cfg.parallel.pp_virtual_stages,
-                                             cfg.train.microbatches)
+        plan.stage0_order = stage0_order(cfg.parallel.pp_schedule, lay.pp * cfg.parallel.pp_virtual_stages,
+                                         cfg.train.microbatches)
     return plan
 
 

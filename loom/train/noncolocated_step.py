@@ -1,12 +1,15 @@
 """One optimizer step with the encoders and the LLM on disjoint ranks (non-colocated): one multi-module pipeline.
 
-The encoders are the first stage of a pipeline that continues into the LLM's stages. Each encoder rank runs
-its microbatches 1F1B-style: `warmup` forwards, then a forward of microbatch i + warmup before the backward
-of microbatch i, whose row gradients it waits for — so the encoder works on microbatch i + 1 while the LLM
-works on microbatch i, and no more than `warmup` microbatches of activations are alive. The rows travel by
-the point-to-point bridge (bridge/p2p.py). An LLM stage-0 rank posts every microbatch's receive up front,
-inserts microbatch i's rows when its forward of i runs, and returns their gradient as soon as its backward
-of i is done; with pp > 1 its stages run the pipelining schedule as in the colocated case.
+The encoders are the first stage of a pipeline that continues into the LLM's stages. An encoder rank
+follows the order in which the LLM's stage 0 runs forwards and backwards (1F1B: as many forwards as the
+LLM has stages, then backward and forward alternate): before stage 0's forward of microbatch i it sends
+microbatch i's rows, before its own backward of i it takes back their gradients, and it computes each
+forward one microbatch ahead — so the encoder works on microbatch i + 1 while the LLM works on microbatch i,
+and the encoder holds one microbatch of activations more than the LLM's stage 0. The rows travel by the
+point-to-point bridge (bridge/p2p.py). An LLM stage-0 rank receives microbatch i's rows when its forward of i
+runs and returns their gradient as soon as its backward of i is done; with pp > 1 its stages run the
+pipelining schedule as in the colocated case. Both sides launch a pair's messages in this one order: NCCL
+runs them in launch order.
 
 Loss and counts: every microbatch's loss divides by the step's global supervised-token count, known on every
 rank from host data — encoder ranks included, which hold no loss — so each encoder gradient is the
@@ -22,7 +25,7 @@ import functools
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
-from loom.bridge.p2p import Incoming, P2PBridge
+from loom.bridge.p2p import P2PBridge
 from loom.config import TrainConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.context import shard_for_context
@@ -35,69 +38,77 @@ from loom.train.pipeline_step import schedule_inputs
 from loom.train.step import StepComms, StepResult, finish_step, local_tensor
 
 
-def encoder_warmup(schedule: str, llm_stages: int, microbatches: int) -> int:
-    """Microbatches an encoder rank runs ahead of its first backward. The LLM's stage 0 holds up to
-    `llm_stages` microbatches in flight under 1F1B (one when the LLM is not pipelined), and one more keeps the
-    next microbatch's rows ready when a gradient comes back; other schedules run every forward first."""
-    if llm_stages == 1 or schedule == "1f1b":
-        return min(microbatches, llm_stages + 1)
-    return microbatches
+def stage0_order(schedule: str, llm_stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order in which the LLM's stage 0 runs each microbatch's forward ("F", i) and backward ("B", i):
+    the order of its bridge messages (rows in before F, gradients out after B). Not pipelined: F0 B0 F1 B1 …;
+    gpipe: every F, then every B; 1F1B (torch's Schedule1F1B): `llm_stages` forwards, then B and F alternate."""
+    m = microbatches
+    if llm_stages == 1:
+        return [(kind, i) for i in range(m) for kind in ("F", "B")]
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(m, llm_stages)
+        order = [("F", i) for i in range(warmup)]
+        for b in range(m):
+            order.append(("B", b))
+            if warmup + b < m:
+                order.append(("F", warmup + b))
+        return order
+    raise ValueError(f"no stage-0 order for pp_schedule = {schedule!r} with non-colocated encoders")
 
 
 def encoder_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, cfg: TrainConfig, step: int,
-                       comms: StepComms, bridges: dict[str, P2PBridge], hosted: list[str], warmup: int,
-                       like: torch.Tensor, inspect_grads=None) -> StepResult:
-    """An encoder rank's step: its encoders (`hosted`) forward microbatch after microbatch, rows out, row
-    gradients in, backward; then the step's shared finish. `like`: the rows' dtype, device and width."""
+                       comms: StepComms, bridges: dict[str, P2PBridge], hosted: list[str],
+                       order: list[tuple[str, int]], like: torch.Tensor, inspect_grads=None) -> StepResult:
+    """An encoder rank's step: its encoders (`hosted`) send each microbatch's rows and take back their
+    gradients in the LLM stage 0's order (`order`, stage0_order) — on NCCL a pair's messages queue in launch
+    order, so both sides launch them in one order — computing each forward one microbatch ahead of its send,
+    so it overlaps the LLM's work on the microbatch before. `like`: the rows' dtype, device and width."""
     lr = set_lr(optimizer, step, cfg)
     micro = inputs.microbatches
     n = len(micro)
-    # posted microbatch-major, the order the LLM sends in: NCCL matches a pair's messages by order, not tag
-    posted = [{name: bridges[name].receive_grads(mb.rows[name], i, like) for name in hosted}
-              for i, mb in enumerate(micro)]
-    grads = {name: [p[name] for p in posted] for name in hosted}
     outputs: list[dict[str, torch.Tensor] | None] = [None] * n
     sends = []
 
     def forward(i: int) -> None:
-        outputs[i] = {name: model.encoder(name)(micro[i].encoder_items.get(name, [])) for name in hosted}
-        for name in hosted:
-            sends.extend(bridges[name].send_rows(outputs[i][name].detach(), micro[i].rows[name], i))
+        if i < n and outputs[i] is None:
+            outputs[i] = {name: model.encoder(name)(micro[i].encoder_items.get(name, [])) for name in hosted}
 
     def backward(i: int) -> None:
+        grads = [bridges[name].receive_grads(micro[i].rows[name], i, like).wait() for name in hosted]
         set_gradient_sync(model, i == n - 1)  # FSDP reduces once, after the step's last backward
         outs, outputs[i] = outputs[i], None
-        torch.autograd.backward([outs[name] for name in hosted], [grads[name][i].wait() for name in hosted])
+        torch.autograd.backward([outs[name] for name in hosted], grads)
 
-    for i in range(min(warmup, n)):
-        forward(i)
-    for i in range(n):
-        if i + warmup < n:
-            forward(i + warmup)
-        backward(i)
+    for kind, i in order:
+        if kind == "F":
+            forward(i)
+            for name in hosted:
+                sends.extend(bridges[name].send_rows(outputs[i][name].detach(), micro[i].rows[name], i))
+            forward(i + 1)  # ahead: ready when the LLM asks for it
+        else:
+            backward(i)
     for work in sends:
         work.wait()
     return finish_step(model, optimizer, 0.0, lr, cfg, comms, inspect_grads)
 
 
 class ReceivedRows:
-    """The modality rows of a step's microbatches on an LLM stage-0 rank: every receive posted up front, each
-    microbatch's rows made leaves and inserted when its forward runs, their gradients returned after its
-    backward."""
+    """The modality rows of a step's microbatches on an LLM stage-0 rank: each microbatch's rows received
+    when its forward runs (the receive launched then, in the order the encoder ranks send: see
+    encoder_train_step), made leaves and inserted, their gradients returned after its backward."""
 
     def __init__(self, model: MultimodalModel, bridges: dict[str, P2PBridge], micro: list[StepBatch],
                  like: torch.Tensor) -> None:
-        self.model, self.bridges, self.micro = model, bridges, micro
-        # posted microbatch-major, the order the encoders send in: NCCL matches a pair's messages by order
-        posted = [{name: b.receive_rows(mb.rows[name], i, like) for name, b in bridges.items()}
-                  for i, mb in enumerate(micro)]
-        self.incoming: dict[str, list[Incoming]] = {name: [p[name] for p in posted] for name in bridges}
+        self.model, self.bridges, self.micro, self.like = model, bridges, micro, like
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}
         self.sends: list = []
 
     def inserts(self, i: int, selectors: dict | None) -> dict[int, torch.Tensor]:
         """Microbatch i's rows by placeholder id (this cp rank's, under `selectors`), as leaves requiring grad."""
-        rows = {name: inc[i].wait().requires_grad_() for name, inc in self.incoming.items()}
+        rows = {name: b.receive_rows(self.micro[i].rows[name], i, self.like).wait().requires_grad_()
+                for name, b in self.bridges.items()}
         self.leaves[i] = rows
         llm = self.micro[i].llm
         slots = {name: llm.count(pid) for name, pid in self.model.placeholder_ids.items()}
