@@ -25,10 +25,10 @@ PLANS = {
     # vision tp2·dp32, audio dp64, LLM tp4·cp2·pp2·dp4, all on ranks 0-63
     "colocated": ["--layout.vision.tp=2", "--layout.audio.tp=1", "--layout.language.tp=4",
                   "--layout.language.cp=2", "--layout.language.pp=2"],
-    # vision tp2·dp8 and audio dp16 on ranks 0-15, LLM tp4·cp2·pp2·dp3 on 16-63
+    # vision tp2·dp8 and audio dp16 on ranks 0-15, LLM tp4·cp2·pp3·dp2 on 16-63 (its dp divides theirs)
     "noncolocated": ['--layout.vision.ranks="0-15"', "--layout.vision.tp=2", '--layout.audio.ranks="0-15"',
                      '--layout.language.ranks="16-63"', "--layout.language.tp=4", "--layout.language.cp=2",
-                     "--layout.language.pp=2"],
+                     "--layout.language.pp=3"],
 }
 COMMON = ["--model.language.num_heads=8", "--model.language.num_kv_heads=4", "--model.language.tie_embeddings=false",
           "--data.tokens_per_microbatch=1024", "--train.microbatches=4", "--train.global_batch_size=192"]

@@ -31,17 +31,20 @@ def _every_subset_colocated() -> int:
 
 
 def _lean_noncolocated() -> int:
-    # vision tp2·dp8 and audio dp16 on 0-15; LLM tp4·cp2·pp2·dp3 on the 48 ranks 16-63
+    # vision tp2·dp8 and audio dp16 on 0-15; LLM tp4·cp2·pp3·dp2 on the 48 ranks 16-63
     encoders = 16 + 2 + 8 + 1  # singles (pp, cp), vision dp's 2 sets of 8, tp's 8 pairs, ranks 0-15 (audio dp)
-    # LLM: tp 48/4, cp 48/2, dp 48/3, pp 48/2, dp·cp 48/6, cp·tp 48/8, all 48 ranks
-    llm = 12 + 24 + 16 + 24 + 8 + 6 + 1
+    # LLM: tp 48/4, cp 48/2, dp 48/2, pp 48/3, dp·cp 48/4, cp·tp 48/8, all 48 ranks
+    llm = 12 + 24 + 24 + 16 + 12 + 6 + 1
     return encoders + llm
 
 
 def _every_subset_noncolocated() -> int:
     encoders = 16 + 2 + 8 + 1
-    one, two, three, whole = 24 + 16 + 24 + 12, 8 + 12 + 6 + 8 + 4 + 6, 4 + 2 + 3 + 2, 1
-    return encoders + one + two + three + whole
+    # LLM (pp3, dp2, cp2, tp4): 48 / (product of the subset's degrees) sets per proper subset, then all 48
+    one = 48 // 3 + 48 // 2 + 48 // 2 + 48 // 4  # pp, dp, cp, tp
+    two = 48 // 6 + 48 // 6 + 48 // 12 + 48 // 4 + 48 // 8 + 48 // 8  # pp·dp, pp·cp, pp·tp, dp·cp, dp·tp, cp·tp
+    three = 48 // 12 + 48 // 24 + 48 // 24 + 48 // 16  # pp·dp·cp, pp·dp·tp, pp·cp·tp, dp·cp·tp
+    return encoders + one + two + three + 1
 
 
 def test_group_count_by_hand():
