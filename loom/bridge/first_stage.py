@@ -32,7 +32,7 @@ class FirstStageBridge:
     def __init__(self, src: Grid, dst: Grid) -> None:
         if src.layout.ranks != dst.layout.ranks:
             raise ValueError(f"{src.module} and {dst.module} are not colocated")
-        s, d = src.layout, dst.layout
+        d = dst.layout
         self.group = src.group(*DIMS)  # every rank of both grids
         self.members = dist.get_process_group_ranks(self.group)
         me = dist.get_rank()

@@ -17,28 +17,12 @@ group, gradients over a group of their own, so the two kinds never share a commu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from loom.bridge.colocated import ReplicaRows
 from loom.bridge.routes import Chunk, consumers, producers, step_chunks
 from loom.topology.grid import Grid
-
-
-@dataclass
-class Incoming:
-    """Rows (or row gradients) being received into `buffer`; `wait()` returns it complete."""
-
-    buffer: torch.Tensor
-    works: list
-
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        return self.buffer
 
 
 class P2PBridge:
@@ -82,22 +66,21 @@ class P2PBridge:
                 works += [dist.isend(payload, r, self.rows_group, tag=self._tag(mb)) for r in self.consumers[c.llm]]
         return works
 
-    def receive_grads(self, counts: ReplicaRows, mb: int, like: torch.Tensor) -> Incoming:
-        """Posts the receives of the gradient of this rank's rows of microbatch `mb` (`like`: their dtype,
-        device and width)."""
+    def receive_grads(self, counts: ReplicaRows, mb: int, like: torch.Tensor) -> torch.Tensor:
+        """The gradient of this rank's rows of microbatch `mb` (`like`: their dtype, device and width)."""
         grad = like.new_zeros((counts.encoder[self.my_encoder], like.shape[-1]))
-        works = [dist.irecv(grad[c.src : c.src + c.n], self.consumers[c.llm][0], self.grads_group, tag=self._tag(mb))
-                 for c in self._chunks(counts) if c.encoder == self.my_encoder]
-        return Incoming(grad, works)
+        _wait([dist.irecv(grad[c.src : c.src + c.n], self.consumers[c.llm][0], self.grads_group, tag=self._tag(mb))
+               for c in self._chunks(counts) if c.encoder == self.my_encoder])
+        return grad
 
     # ------------------------------------------------------------ LLM side
 
-    def receive_rows(self, counts: ReplicaRows, mb: int, like: torch.Tensor) -> Incoming:
-        """Posts the receives of this rank's LLM replica's rows of microbatch `mb`."""
+    def receive_rows(self, counts: ReplicaRows, mb: int, like: torch.Tensor) -> torch.Tensor:
+        """This rank's LLM replica's rows of microbatch `mb`, each chunk received into its place."""
         rows = like.new_empty((counts.llm[self.my_llm], like.shape[-1]))
-        works = [dist.irecv(rows[c.dst : c.dst + c.n], self.producers[c.encoder][0], self.rows_group,
-                            tag=self._tag(mb)) for c in self._chunks(counts) if c.llm == self.my_llm]
-        return Incoming(rows, works)
+        _wait([dist.irecv(rows[c.dst : c.dst + c.n], self.producers[c.encoder][0], self.rows_group,
+                          tag=self._tag(mb)) for c in self._chunks(counts) if c.llm == self.my_llm])
+        return rows
 
     def send_grads(self, grad: torch.Tensor, counts: ReplicaRows, mb: int) -> list:
         """The gradient of the rows `receive_rows` delivered, summed over cp, to the encoder ranks that made them."""
@@ -111,3 +94,8 @@ class P2PBridge:
                 works += [dist.isend(payload, r, self.grads_group, tag=self._tag(mb)) for r in self.producers[c.encoder]]
         return works
 
+
+def _wait(works: list) -> None:
+    """Receives from several senders run together; the result is read only once all have arrived."""
+    for work in works:
+        work.wait()

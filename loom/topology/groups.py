@@ -60,15 +60,18 @@ class GroupRegistry:
         self._named: dict[str, list[tuple[int, ...]]] = {}  # add(): name → its rank sets
 
     def build(self, grids: list[Grid]) -> None:
-        me = dist.get_rank()
         for grid in grids:
             grid.registry = self
             for dims in self.dim_sets:
                 for ranks in grid.rank_sets(*dims):
-                    if ranks not in self._groups:
-                        group = dist.new_group(list(ranks))  # every rank calls it: world collective
-                        self._groups[ranks] = group if me in ranks else None
-                        self.created += 1
+                    self._create(ranks)
+
+    def _create(self, ranks: tuple[int, ...]) -> None:
+        """The group over `ranks`, unless an earlier set was the same: every rank calls it (a world collective)."""
+        if ranks not in self._groups:
+            group = dist.new_group(list(ranks))
+            self._groups[ranks] = group if dist.get_rank() in ranks else None
+            self.created += 1
 
     def get(self, dims: tuple[str, ...], ranks: tuple[int, ...], module: str) -> dist.ProcessGroup:
         """The group over `ranks`, the set of `module`'s grid varying along `dims` (in DIMS order)."""
@@ -85,13 +88,9 @@ class GroupRegistry:
     def add(self, name: str, rank_sets: list[tuple[int, ...]]) -> None:
         """Groups that are no grid's dim set, under `name` (e.g. parallel/tied.py's pairs of a tied embedding's
         stage-0 and last-stage ranks). Every rank calls it after build(), with the same sets in one order."""
-        me = dist.get_rank()
         self._named[name] = [tuple(ranks) for ranks in rank_sets]
         for ranks in self._named[name]:
-            if ranks not in self._groups:
-                group = dist.new_group(list(ranks))  # every rank calls it: world collective
-                self._groups[ranks] = group if me in ranks else None
-                self.created += 1
+            self._create(ranks)
 
     def named(self, name: str) -> dist.ProcessGroup | None:
         """This rank's group among the sets added as `name`; None when it is in none of them."""

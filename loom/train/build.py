@@ -120,7 +120,7 @@ class RankPlan:
                    device: torch.device, inspect_grads=None) -> StepResult:
         """One optimizer step of this rank's layout: microbatch after microbatch, or the three-phase step
         around the LLM's pipeline schedule."""
-        if self.rows_like is not None:  # non-colocated
+        if self.topo is not None and not self.topo.placement.colocated:
             if "language" not in self.hosted:
                 return encoder_train_step(model, optimizer, inputs, cfg.train, step, self.comms, self.bridges,
                                           list(self.hosted), self.stage0_order, self.rows_like, inspect_grads)

@@ -35,7 +35,7 @@ from loom.train.inputs import StepBatch, StepInputs
 from loom.train.loss import loss_function
 from loom.train.optim import set_lr
 from loom.train.pipeline_step import schedule_inputs
-from loom.train.step import StepComms, StepResult, finish_step, local_tensor
+from loom.train.step import StepComms, StepResult, finish_step, llm_inserts, local_tensor
 
 
 def stage0_order(schedule: str, llm_stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -76,7 +76,7 @@ def encoder_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, cf
             outputs[i] = {name: model.encoder(name)(micro[i].encoder_items.get(name, [])) for name in hosted}
 
     def backward(i: int) -> None:
-        grads = [bridges[name].receive_grads(micro[i].rows[name], i, like).wait() for name in hosted]
+        grads = [bridges[name].receive_grads(micro[i].rows[name], i, like) for name in hosted]
         set_gradient_sync(model, i == n - 1)  # FSDP reduces once, after the step's last backward
         outs, outputs[i] = outputs[i], None
         torch.autograd.backward([outs[name] for name in hosted], grads)
@@ -107,13 +107,10 @@ class ReceivedRows:
 
     def inserts(self, i: int, selectors: dict | None) -> dict[int, torch.Tensor]:
         """Microbatch i's rows by placeholder id (this cp rank's, under `selectors`), as leaves requiring grad."""
-        rows = {name: b.receive_rows(self.micro[i].rows[name], i, self.like).wait().requires_grad_()
+        rows = {name: b.receive_rows(self.micro[i].rows[name], i, self.like).requires_grad_()
                 for name, b in self.bridges.items()}
         self.leaves[i] = rows
-        llm = self.micro[i].llm
-        slots = {name: llm.count(pid) for name, pid in self.model.placeholder_ids.items()}
-        inserts = self.model.inserts(llm.input_ids, rows, slots)  # checked against the whole microbatch
-        return {pid: part[selectors[pid]] for pid, part in inserts.items()} if selectors else inserts
+        return llm_inserts(self.model, self.micro[i].llm, rows, selectors)
 
     def return_grads(self, i: int) -> None:
         """After microbatch i's backward: its rows' gradients to the encoder ranks that produced them."""

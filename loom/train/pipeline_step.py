@@ -31,7 +31,7 @@ from loom.parallel.pipeline import MicrobatchData, MicrobatchInserts, Pipeline
 from loom.train.inputs import StepBatch, StepInputs
 from loom.train.loss import loss_function
 from loom.train.optim import set_lr
-from loom.train.step import StepComms, StepResult, finish_step
+from loom.train.step import StepComms, StepResult, finish_step, llm_inserts
 
 
 def pipelined_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, cfg: TrainConfig, step: int,
@@ -55,14 +55,12 @@ def pipelined_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, 
     def inserts(i: int, selectors: dict | None) -> dict:
         if not pipeline.first:
             return {}
-        mb = micro[i]
-        slots = {name: mb.llm.count(pid) for name, pid in model.placeholder_ids.items()}
-        mine = {}
+        llm, mine = micro[i].llm, {}
         for name, r in rows.items():
-            mine[name] = r[taken[name] : taken[name] + slots[name]]
-            taken[name] += slots[name]
-        out = model.inserts(mb.llm.input_ids, mine, slots)  # checked against the whole microbatch
-        return {pid: part[selectors[pid]] for pid, part in out.items()} if selectors else out
+            n = llm.count(model.placeholder_ids[name])
+            mine[name] = r[taken[name] : taken[name] + n]
+            taken[name] += n
+        return llm_inserts(model, llm, mine, selectors)
 
     ids, data = schedule_inputs(model, micro, comms, inserts)
     with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():

@@ -61,11 +61,16 @@ def forward(
         if bridges:
             rows = bridges[name](rows, inputs.rows[name])
         embeds[name] = rows
-    slots = {name: inputs.llm.count(pid) for name, pid in model.placeholder_ids.items()}
-    inserts = model.inserts(inputs.llm.input_ids, embeds, slots)  # checked against the whole part
-    if selectors:
-        inserts = {pid: rows[selectors[pid]] for pid, rows in inserts.items()}
-    return model.language(llm.input_ids, llm.positions, llm.layout, inserts)
+    return model.language(llm.input_ids, llm.positions, llm.layout, llm_inserts(model, inputs.llm, embeds, selectors))
+
+
+def llm_inserts(model: MultimodalModel, llm: Batch, rows: dict[str, torch.Tensor], selectors: dict | None
+                ) -> dict[int, torch.Tensor]:
+    """Each modality's rows by placeholder id, checked against the whole LLM part `llm` (placeholder counts
+    from its host copy: no device sync); under CP only this rank's rows, which `selectors` pick."""
+    slots = {name: llm.count(pid) for name, pid in model.placeholder_ids.items()}
+    inserts = model.inserts(llm.input_ids, rows, slots)
+    return {pid: part[selectors[pid]] for pid, part in inserts.items()} if selectors else inserts
 
 
 def train_step(
