@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 
 from bench.flops import step_flops
+from bench.overlap import merge_intervals
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.config import load_config
 from loom.distributed import init_distributed, shutdown
@@ -101,6 +102,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true")
     p.add_argument("--profile", default="", help="write a torch profiler summary of the measured steps here")
+    p.add_argument("--timeline", default="",
+                   help="with --profile: write this rank's device-busy intervals here ({rank} in the path; "
+                        "bench/overlap.py reads them)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra loom config override, e.g. --set parallel.reshard_after_forward=false")
     args = p.parse_args()
@@ -127,7 +131,7 @@ def main() -> None:
     peak = peak_matmul_tflops(device)
     total = args.warmup + args.steps
     inputs = [contender.inputs(step) for step in range(total)]  # data prepared before timing
-    times = []
+    times, windows = [], []
     profiler = None
     for step in range(total):
         if step == args.warmup and args.profile:
@@ -136,12 +140,13 @@ def main() -> None:
             profiler.__enter__()
         if gpu:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time_ns()
         loss = contender.step(inputs[step], step)
         if gpu:
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            windows.append((w0, time.time_ns()))
         if step == 0:
             first_frames = compiled_frames()
     if profiler is not None:
@@ -149,6 +154,8 @@ def main() -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0 or "{rank}" in args.profile:  # "{rank}" in the path: every rank writes its own
             write_profile(profiler, args.profile.format(rank=rank), sum(times), gpu)
+        if args.timeline:
+            write_timeline(profiler, args.timeline.format(rank=rank), rank, windows)
     step_s = sorted(times)[len(times) // 2]
     measured = range(args.warmup, total)
     real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
@@ -208,6 +215,15 @@ def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
             f.write(f"wall {wall_s:.3f} s, device kernels {busy:.3f} s ({busy / wall_s:.0%} of wall)\n\n")
             f.write(events.table(sort_by="self_device_time_total", row_limit=40) + "\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+
+
+def write_timeline(profiler, path: str, rank: int, windows: list[tuple[int, int]]) -> None:
+    """This rank's device kernels over the measured steps as merged busy intervals, in the host's wall-clock
+    ns (kineto maps kernel times onto it, so the ranks of one host line up), and each step's window."""
+    kernels = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in profiler.profiler.kineto_results.events()
+               if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
+    with open(path, "w") as f:
+        json.dump({"rank": rank, "steps": windows, "busy": merge_intervals(kernels)}, f)
 
 
 def flops_of(samples, spec: dict) -> float:

@@ -132,3 +132,18 @@ def test_noncolocated_rows_small_run_on_two_cpu_ranks():
     assert [r["placement"] for r in rows] == ["colocated", "non-colocated"]
     assert rows[1]["layouts"]["language"].endswith("on ranks 1-1")
     assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-4 * rows[0]["loss"]
+
+
+def test_overlap_of_busy_intervals_counted_by_hand():
+    """bench/overlap.py: unions, intersections and the shares it reports, against sums done by hand."""
+    from bench.overlap import intersect, merge_intervals, overlap_report
+    assert merge_intervals([(20, 30), (0, 10), (5, 15)]) == [(0, 15), (20, 30)]
+    assert intersect([(0, 15), (20, 30)], [(10, 25)]) == [(10, 15), (20, 25)]
+    busy = {"encoders": [(0, 10), (5, 15), (20, 30)], "llm": [(10, 25)]}
+    report = overlap_report(busy, [(0, 40)])
+    assert report["encoders"] == {"busy_of_wall": 0.625, "busy_while_others_busy": 0.4}  # 25/40, 10/25
+    assert report["llm"] == {"busy_of_wall": 0.375, "busy_while_others_busy": 0.6667}  # 15/40, 10/15
+    clipped = overlap_report(busy, [(18, 40), (0, 12)])  # kernels outside the measured steps do not count
+    assert clipped["wall_s"] == 34e-9
+    assert clipped["encoders"]["busy_while_others_busy"] == round(7 / 22, 4)
+    assert clipped["llm"]["busy_of_wall"] == round(9 / 34, 4)
