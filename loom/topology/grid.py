@@ -94,12 +94,20 @@ class Grid:
         name = "_".join(dims)
         if name not in root._flatten_mapping:
             group = self.group(*dims)
-            flat = DeviceMesh(device_type, _layout=_MeshLayout([root[dims]._layout.collapse()]),
+            flat = DeviceMesh(device_type, _layout=_flat_layout(root[dims]._layout),
                               _rank_map=root._rank_map, mesh_dim_names=(name,), _root_mesh=root, _init_backend=False)
             flat._dim_group_names = [group.group_name]
             root._pg_registry[group.group_name] = group  # where compiled code looks groups up
             root._flatten_mapping[name] = flat  # a later root[dims]._flatten(name) returns this one
         return root._flatten_mapping[name]
+
+
+def _flat_layout(layout: _MeshLayout) -> _MeshLayout:
+    """`layout`'s dims merged into one, as DeviceMesh._flatten merges them (its layout API differs by version)."""
+    if hasattr(layout, "collapse"):  # torch ≥ 2.13
+        return _MeshLayout([layout.collapse()])
+    flat = layout.coalesce()  # torch 2.11/2.12: dims whose strides chain merge; others nest as one dim
+    return flat.nest() if len(flat) > 1 else flat
 
 
 def _ordered(dims: tuple[str, ...]) -> tuple[str, ...]:
