@@ -218,10 +218,11 @@ def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
 
 
 def write_timeline(profiler, path: str, rank: int, windows: list[tuple[int, int]]) -> None:
-    """This rank's device kernels over the measured steps as merged busy intervals, in the host's wall-clock
-    ns (kineto maps kernel times onto it, so the ranks of one host line up), and each step's window."""
+    """This rank's compute kernels over the measured steps as merged busy intervals, in the host's wall-clock
+    ns (kineto maps kernel times onto it, so the ranks of one host line up), and each step's window. NCCL
+    kernels are left out: a receive's kernel runs while it waits for its sender, which is not work."""
     kernels = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in profiler.profiler.kineto_results.events()
-               if e.device_type() == DeviceType.CUDA and not e.is_user_annotation()]
+               if e.device_type() == DeviceType.CUDA and not e.is_user_annotation() and not e.name().startswith("nccl")]
     with open(path, "w") as f:
         json.dump({"rank": rank, "steps": windows, "busy": merge_intervals(kernels)}, f)
 

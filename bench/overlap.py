@@ -3,11 +3,11 @@
     python -m bench.overlap --group encoders=0 --group llm=1-3 OUT.timeline.rank0.json … rank3.json
 
 Reads the per-rank timelines `bench/mm_bench.py --profile … --timeline PATH{rank}` writes (merged
-device-kernel intervals in the host's wall-clock ns, and each measured step's window) and prints, per group,
-the share of the steps' wall time in which any of its GPUs ran a kernel, and the share of each group's busy
-time during which the other group was busy too. Without overlap (one side idles while the other works) that
-share is near 0; with the encoders' microbatch i + 1 under the LLM's microbatch i it rises toward the smaller
-group's busy share.
+compute-kernel intervals in the host's wall-clock ns, NCCL kernels left out, and each measured step's
+window) and prints, per group, the share of the steps' wall time in which any of its GPUs computed, and the
+share of each group's busy time during which the other group was busy too. Without overlap (one side idles
+while the other works) that share is near 0; with the encoders' microbatch i + 1 under the LLM's
+microbatch i it rises toward the smaller group's busy share.
 """
 
 from __future__ import annotations
