@@ -83,7 +83,8 @@ class RunConfig:
     tensorboard: bool = True
     progress: bool = True  # live progress bar; plain log lines when false or not a terminal
     save_every: int = 0  # 0: save a checkpoint only at the end
-    resume: str = ""  # checkpoint folder to continue from
+    keep_last: int = 0  # sharded step-N checkpoints kept in out_dir (0: all); older ones go after a newer one is complete
+    resume: str = ""  # "" fresh; "auto": out_dir's latest checkpoint (fresh if none); or a checkpoint folder
 
 
 @dataclass
@@ -208,6 +209,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "data.tokens_per_microbatch": d.tokens_per_microbatch,
             "data.padded_length": d.padded_length,
             "run.save_every": cfg.run.save_every,
+            "run.keep_last": cfg.run.keep_last,
         }
     )
     for name in ("vision", "audio", "language"):

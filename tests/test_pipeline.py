@@ -104,7 +104,7 @@ def _train_and_save(out_dir: str) -> dict:
     from loom.data.tokenizer import ByteTokenizer
     from loom.models.hf.export import export_checkpoint
     from loom.train.build import build_job_model
-    from loom.train.checkpoint import OPTIMIZER_KEYS, unique_state_dict
+    from loom.checkpoint.full import OPTIMIZER_KEYS, unique_state_dict
     from loom.train.trainer import Trainer
     from loom.train.verify import parameters
 

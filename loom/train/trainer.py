@@ -24,13 +24,15 @@ from loom.train.build import (
     step_inputs,
     token_counters,
 )
-from loom.train.checkpoint import (
+from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
+from loom.checkpoint.full import (
     gather_full_weights,
     load_checkpoint,
     save_checkpoint,
     save_sharded_as_full,
     unique_state_dict,
 )
+from loom.checkpoint.sharded import load_sharded, save_sharded, tied_aliases
 from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
@@ -44,22 +46,22 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
         self.device = device or resolve_device(cfg.train.device)
         self.tok = ByteTokenizer()
-        self.model = build_job_model(cfg, self.tok, pretrained=not cfg.run.resume).to(self.device)
+        self.resume_from = resume_path(cfg.run.resume, cfg.run.out_dir)  # files only: the same on every rank
+        self.model = build_job_model(cfg, self.tok, pretrained=self.resume_from is None).to(self.device)
         self.counters = token_counters(self.model)
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
         self.cfg = cfg = with_padded_length(cfg, longest_samples(cfg, self.tok, self.counters), layout_multiple(cfg))
         self.weight_names = set(unique_state_dict(self.model))
+        self.weight_aliases = tied_aliases(self.model)  # taken before a pipeline split unties them
         self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model (a rank may keep part)
         self.plan = setup_parallel(self.model, cfg, self.device)
         check_data(cfg, self.plan, self.tok, self.counters)
-        if self.plan.distributed and cfg.run.resume:
-            raise NotImplementedError("run.resume under torchrun is not supported yet; resume on one process")
         self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
         self.step = 0
         self.train_set, self.heldout = build_datasets(cfg)
         self.batches = build_batches(cfg, self.train_set, self.tok, self.counters)
-        if cfg.run.resume:
-            self.step = load_checkpoint(cfg.run.resume, self.model, self.optimizer)["step"]
+        if self.resume_from is not None:
+            self.step = self._load(self.resume_from)["step"]
 
     def train_step(self, samples: list[Sample] | None = None) -> StepResult:
         """One optimizer step on this rank's shares of global batch `self.step` — or, on one process, on
@@ -94,8 +96,10 @@ class Trainer:
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.step < cfg.train.steps:
                     log.log(self.step, self.evaluate(), kind="heldout")
                 if cfg.run.save_every and self.step % cfg.run.save_every == 0:
-                    self.save(out / f"step-{self.step}")
+                    self.checkpoint()
             log.finish_progress()
+            if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
+                self.checkpoint()  # the last step's, for run.resume = "auto"
             self.save(out / "final")
             log.print(f"evaluating on {len(self.heldout)} held-out examples …")
             final = self.evaluate()
@@ -130,6 +134,28 @@ class Trainer:
         copy = build_job_model(self.cfg, self.tok, pretrained=False)
         copy.load_state_dict({k: v for k, v in full.items() if k in self.weight_names}, strict=False)
         return copy.to(self.device)
+
+    def checkpoint(self) -> Path:
+        """A sharded, crash-safe checkpoint of this step in out_dir (collective: every rank calls it)."""
+        out, rank0 = self.cfg.run.out_dir, not self.plan.distributed or dist.get_rank() == 0
+        if rank0:
+            clear_staging(out, self.step)
+        if self.plan.distributed:
+            dist.barrier()
+        save_sharded(staging_dir(out, self.step), self.model, self.optimizer, self.weight_aliases, self.step,
+                     {"config": self.cfg.to_dict()})
+        path = publish(out, self.step, self.cfg.run.keep_last) if rank0 else None
+        if self.plan.distributed:
+            dist.barrier()  # published before any rank goes on (a crash now leaves it complete)
+        return path
+
+    def _load(self, path: Path) -> dict:
+        if (path / "model.safetensors").is_file():  # a gathered (full) folder, e.g. final/: one process only
+            if self.plan.distributed:
+                raise ValueError(f"run.resume = {str(path)!r} is a gathered checkpoint (model.safetensors), which "
+                                 f"resumes on one process; under torchrun resume from a sharded step-N folder")
+            return load_checkpoint(path, self.model, self.optimizer)
+        return load_sharded(path, self.model, self.optimizer, self.weight_aliases)
 
     def save(self, path: Path) -> None:
         extra = {"config": self.cfg.to_dict()}

@@ -55,7 +55,7 @@ def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path | list[str]]:
     """Writes each module of a loom checkpoint folder (`model.safetensors` + `state.json`, as saved by
-    loom.train.checkpoint) as `out_dir/<module>`. Returns the folders and the tensors not exported."""
+    loom.checkpoint.full) as `out_dir/<module>`. Returns the folders and the tensors not exported."""
     from loom.config import ConfigError, ModelConfig, from_dict
 
     ckpt = Path(checkpoint)
