@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
     plan.add_argument("--png", default=None, help="where to write the picture (default: <config name>.plan.png)")
     export = sub.add_parser("export", help="write a loom checkpoint's modules as Hugging Face folders")
-    export.add_argument("checkpoint", help="loom checkpoint folder (model.safetensors + state.json)")
+    export.add_argument("checkpoint", help="loom checkpoint folder: a sharded step-N or the gathered final/")
     export.add_argument("--hf", required=True, metavar="OUT_DIR",
                         help="writes OUT_DIR/language, OUT_DIR/vision, OUT_DIR/audio (config.json + model.safetensors)")
     args, extra = parser.parse_known_args(_join_space_separated(sys.argv[1:] if argv is None else argv))

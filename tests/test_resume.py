@@ -199,3 +199,19 @@ def test_bad_checkpoints_are_refused_before_any_weight_changes(hetero_run, tmp_p
     (tmp_path / "run" / "latest").write_text("step-9\n")
     with pytest.raises(CheckpointError, match=r"names step-9, which is not a complete checkpoint"):
         latest_checkpoint(tmp_path / "run")
+
+
+def test_export_reads_a_sharded_checkpoint_tensor_by_tensor(hetero_run, tmp_path):
+    """`loom export` of the sharded step-4 of a 4-rank run writes the same HF folders as of its gathered
+    final/ (the same weights, saved two ways)."""
+    from safetensors.torch import load_file
+
+    import loom.cli
+
+    for name in ("step-4", "final"):
+        assert loom.cli.main(["export", str(hetero_run / name), "--hf", str(tmp_path / name)]) == 0
+    for module in ("language", "vision", "audio"):
+        a = load_file(tmp_path / "step-4" / module / "model.safetensors")
+        b = load_file(tmp_path / "final" / module / "model.safetensors")
+        assert a.keys() == b.keys() and len(a) > 3
+        assert all(torch.equal(a[k], b[k]) for k in a), module

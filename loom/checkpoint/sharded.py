@@ -174,15 +174,12 @@ def check_against(path: Path, saved: dict[str, TensorStorageMetadata], wanted: d
                                   f"elements (a missing shard file?)")
 
 
-def read_full(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every saved tensor whole, on one process (for export and inspection): keys as saved."""
-    path = Path(path)
-    read_state(path)
-    saved = saved_metadata(path)
-    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
+def read_one(path: Path, key: str, meta: TensorStorageMetadata) -> torch.Tensor:
+    """One saved tensor whole, on one process (DCP reads only that tensor's chunks)."""
+    tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
     with _quiet_single_process():
-        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
-    return tensors
+        dcp.load({key: tensor}, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
+    return tensor
 
 
 @contextlib.contextmanager

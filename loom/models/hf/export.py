@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from loom.models.hf.load import MODULES, expected_tensors, module_kind
@@ -54,14 +53,19 @@ def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path | list[str]]:
-    """Writes each module of a loom checkpoint folder (`model.safetensors` + `state.json`, as saved by
-    loom.checkpoint.full) as `out_dir/<module>`. Returns the folders and the tensors not exported."""
+    """Writes each module of a loom checkpoint folder (sharded `step-N`, or gathered `final/`; see
+    loom/checkpoint) as `out_dir/<module>`, reading one tensor at a time. Returns the folders and the tensors
+    not exported."""
+    from loom.checkpoint.read import CheckpointWeights
+    from loom.checkpoint.sharded import CheckpointError
     from loom.config import ConfigError, ModelConfig, from_dict
 
     ckpt = Path(checkpoint)
-    if not (ckpt / "model.safetensors").is_file() or not (ckpt / "state.json").is_file():
-        raise HFError(f"{ckpt} is not a loom checkpoint (it needs model.safetensors and state.json)")
-    state = json.loads((ckpt / "state.json").read_text())
+    try:
+        saved = CheckpointWeights(ckpt)
+    except CheckpointError as e:
+        raise HFError(str(e)) from None
+    state = saved.state
     if "model" not in state.get("config", {}):
         raise HFError(f"{ckpt}/state.json has no config.model: the module sizes are unknown")
     try:
@@ -71,11 +75,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
     modules = {"language": ("language.", m.language)}
     modules.update({name: (f"{name}.encoder.", getattr(m, name)) for name in m.encoders})
     written: dict = {}
-    with safe_open(ckpt / "model.safetensors", "pt") as f:
-        names = list(f.keys())
-        for kind, (prefix, cfg) in modules.items():
-            tensors = {n[len(prefix):]: f.get_tensor(n) for n in names if n.startswith(prefix)}
-            written[kind] = write_hf_folder(kind, cfg, tensors, Path(out_dir) / kind)
-        exported = tuple(prefix for prefix, _ in modules.values())
-        written["not_exported"] = sorted(n for n in names if not n.startswith(exported))
+    for kind, (prefix, cfg) in modules.items():
+        tensors = {n[len(prefix):]: saved.get(n) for n in saved.names if n.startswith(prefix)}
+        written[kind] = write_hf_folder(kind, cfg, tensors, Path(out_dir) / kind)
+    exported = tuple(prefix for prefix, _ in modules.values())
+    written["not_exported"] = sorted(n for n in saved.names if not n.startswith(exported))
     return written
