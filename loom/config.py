@@ -83,6 +83,7 @@ class RunConfig:
     tensorboard: bool = True
     progress: bool = True  # live progress bar; plain log lines when false or not a terminal
     save_every: int = 0  # 0: save a checkpoint only at the end
+    async_save: bool = False  # write checkpoints in the background (host copy first); published at the next save
     keep_last: int = 0  # sharded step-N checkpoints kept in out_dir (0: all); older ones go after a newer one is complete
     resume: str = ""  # "" fresh; "auto": out_dir's latest checkpoint (fresh if none); or a checkpoint folder
 

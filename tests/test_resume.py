@@ -215,3 +215,16 @@ def test_export_reads_a_sharded_checkpoint_tensor_by_tensor(hetero_run, tmp_path
         b = load_file(tmp_path / "final" / module / "model.safetensors")
         assert a.keys() == b.keys() and len(a) > 3
         assert all(torch.equal(a[k], b[k]) for k in a), module
+
+
+def test_async_save_publishes_the_same_checkpoints(worlds, hetero_run, tmp_path):
+    """run.async_save on 4 ranks: training goes on while step 2's files are written (its own gloo group), the
+    checkpoint is published at the next save, and holds the same tensors as the synchronous run's."""
+    from loom.checkpoint.read import CheckpointWeights
+
+    worlds.run(4, _train, str(tmp_path), 4, 2, "", [*HETERO_CP, "--run.async_save=true"], timeout=300)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-4"
+    _assert_continues(hetero_run, tmp_path, [1, 2, 3, 4], exact=True)
+    a, b = CheckpointWeights(hetero_run / "step-2"), CheckpointWeights(tmp_path / "step-2")
+    assert a.names == b.names
+    assert all(torch.equal(a.get(n), b.get(n)) for n in a.names)

@@ -105,23 +105,51 @@ class ShardedState:
             set_optimizer_state_dict(self.model, self.optimizers, self.optim_state)
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str], step: int,
-                 extra: dict) -> None:
-    """Collective: every rank writes its shards into `path`; rank 0 then writes state.json (last, so a folder
-    with state.json is complete); each rank its RNG state."""
+class PendingSave:
+    """A save whose shards may still be being written (`run.async_save`): `finish` waits for this rank's
+    files, then (collective) writes state.json on rank 0 — the mark of a complete folder."""
+
+    def __init__(self, path: Path, future, step: int, extra: dict) -> None:
+        self.path, self.future, self.step, self.extra = path, future, step, extra
+
+    def finish(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+        if _distributed():
+            dist.barrier()  # every rank's files are written before the folder is declared complete
+        if not _distributed() or dist.get_rank() == 0:
+            world = dist.get_world_size() if _distributed() else 1
+            info = {"step": self.step, "world_size": world, **self.extra}
+            (self.path / STATE_FILE).write_text(json.dumps(info, indent=2, default=str))
+        return self.path
+
+
+def begin_save(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str], step: int, extra: dict,
+               async_group: dist.ProcessGroup | None = None, run_async: bool = False) -> PendingSave:
+    """Collective: every rank writes its shards (and its RNG state) into `path`; `PendingSave.finish`
+    completes the folder. `run_async`: the shards are copied to host memory now and written by a background
+    thread while training goes on (dcp.async_save), its collectives on `async_group` (a gloo group of
+    every rank: the training's own groups stay the main thread's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if _distributed() else 0
+    save_file(_rng_state(), path / f"rng-rank-{rank}.safetensors")
     state = ShardedState(model, optimizer, aliases)
     writer = HuggingFaceStorageWriter(str(path), save_distributed=_distributed())
     with _quiet_single_process():
-        dcp.save(state.tensors, storage_writer=writer, no_dist=not _distributed())
-    rank = dist.get_rank() if _distributed() else 0
-    save_file(_rng_state(), path / f"rng-rank-{rank}.safetensors")
-    if _distributed():
-        dist.barrier()  # every rank's files are written before the folder is declared complete
-    if rank == 0:
-        world = dist.get_world_size() if _distributed() else 1
-        (path / STATE_FILE).write_text(json.dumps({"step": step, "world_size": world, **extra}, indent=2, default=str))
+        if run_async:
+            future = dcp.async_save(state.tensors, storage_writer=writer, process_group=async_group,
+                                    no_dist=not _distributed())
+        else:
+            dcp.save(state.tensors, storage_writer=writer, no_dist=not _distributed())
+            future = None
+    return PendingSave(path, future, step, extra)
+
+
+def save_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str], step: int,
+                 extra: dict) -> Path:
+    """begin_save + finish: a complete checkpoint folder at `path` when it returns (collective)."""
+    return begin_save(path, model, optimizer, aliases, step, extra).finish()
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str]) -> dict:

@@ -58,6 +58,7 @@ class GroupRegistry:
         self.created = 0  # groups this registry created (rank sets no earlier build had)
         self._groups = _GROUPS
         self._named: dict[str, list[tuple[int, ...]]] = {}  # add(): name → its rank sets
+        self._backends: dict[str, str | None] = {}  # add(): name → its groups' backend (None: the default)
 
     def build(self, grids: list[Grid]) -> None:
         for grid in grids:
@@ -66,11 +67,13 @@ class GroupRegistry:
                 for ranks in grid.rank_sets(*dims):
                     self._create(ranks)
 
-    def _create(self, ranks: tuple[int, ...]) -> None:
-        """The group over `ranks`, unless an earlier set was the same: every rank calls it (a world collective)."""
-        if ranks not in self._groups:
-            group = dist.new_group(list(ranks))
-            self._groups[ranks] = group if dist.get_rank() in ranks else None
+    def _create(self, ranks: tuple[int, ...], backend: str | None = None) -> None:
+        """The group over `ranks`, unless an earlier set was the same: every rank calls it (a world collective).
+        `backend`: other than the default's (kept apart from the default-backend group of the same ranks)."""
+        key = ranks if backend is None else (backend, ranks)
+        if key not in self._groups:
+            group = dist.new_group(list(ranks), backend=backend)
+            self._groups[key] = group if dist.get_rank() in ranks else None
             self.created += 1
 
     def get(self, dims: tuple[str, ...], ranks: tuple[int, ...], module: str) -> dist.ProcessGroup:
@@ -85,17 +88,19 @@ class GroupRegistry:
             raise KeyError(f"no process group for ranks {ranks} on rank {dist.get_rank()}")
         return group
 
-    def add(self, name: str, rank_sets: list[tuple[int, ...]]) -> None:
+    def add(self, name: str, rank_sets: list[tuple[int, ...]], backend: str | None = None) -> None:
         """Groups that are no grid's dim set, under `name` (e.g. parallel/tied.py's pairs of a tied embedding's
         stage-0 and last-stage ranks). Every rank calls it after build(), with the same sets in one order."""
         self._named[name] = [tuple(ranks) for ranks in rank_sets]
+        self._backends[name] = backend
         for ranks in self._named[name]:
-            self._create(ranks)
+            self._create(ranks, backend)
 
     def named(self, name: str) -> dist.ProcessGroup | None:
         """This rank's group among the sets added as `name`; None when it is in none of them."""
-        me = dist.get_rank()
-        return next((self._groups[ranks] for ranks in self._named[name] if me in ranks), None)
+        me, backend = dist.get_rank(), self._backends[name]
+        return next((self._groups[ranks if backend is None else (backend, ranks)]
+                     for ranks in self._named[name] if me in ranks), None)
 
     @staticmethod
     def destroy_all() -> None:

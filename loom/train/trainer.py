@@ -32,12 +32,15 @@ from loom.checkpoint.full import (
     save_sharded_as_full,
     unique_state_dict,
 )
-from loom.checkpoint.sharded import load_sharded, save_sharded, tied_aliases
+from loom.checkpoint.sharded import begin_save, load_sharded, tied_aliases
 from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.step import StepResult
+
+
+ASYNC_SAVE = "checkpoint: async save writer (gloo)"  # the registry's name for its group
 
 
 class Trainer:
@@ -57,6 +60,11 @@ class Trainer:
         self.plan = setup_parallel(self.model, cfg, self.device)
         check_data(cfg, self.plan, self.tok, self.counters)
         self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
+        self.pending = None  # a checkpoint save not yet complete (run.async_save)
+        self.save_group = None
+        if cfg.run.async_save and self.plan.distributed:  # the background writer's collectives: gloo, apart
+            self.plan.topo.registry.add(ASYNC_SAVE, [tuple(range(dist.get_world_size()))], backend="gloo")
+            self.save_group = self.plan.topo.registry.named(ASYNC_SAVE)
         self.step = 0
         self.train_set, self.heldout = build_datasets(cfg)
         self.batches = build_batches(cfg, self.train_set, self.tok, self.counters)
@@ -100,6 +108,7 @@ class Trainer:
             log.finish_progress()
             if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
                 self.checkpoint()  # the last step's, for run.resume = "auto"
+            self.finish_save()
             self.save(out / "final")
             log.print(f"evaluating on {len(self.heldout)} held-out examples …")
             final = self.evaluate()
@@ -135,19 +144,34 @@ class Trainer:
         copy.load_state_dict({k: v for k, v in full.items() if k in self.weight_names}, strict=False)
         return copy.to(self.device)
 
-    def checkpoint(self) -> Path:
-        """A sharded, crash-safe checkpoint of this step in out_dir (collective: every rank calls it)."""
-        out, rank0 = self.cfg.run.out_dir, not self.plan.distributed or dist.get_rank() == 0
-        if rank0:
+    def checkpoint(self) -> None:
+        """A sharded, crash-safe checkpoint of this step in out_dir (collective: every rank calls it). Under
+        `run.async_save` the files are written while training goes on and published at the next save or at
+        the end; the previous save is finished first."""
+        out, run = self.cfg.run.out_dir, self.cfg.run
+        self.finish_save()
+        if self._rank0():
             clear_staging(out, self.step)
         if self.plan.distributed:
             dist.barrier()
-        save_sharded(staging_dir(out, self.step), self.model, self.optimizer, self.weight_aliases, self.step,
-                     {"config": self.cfg.to_dict()})
-        path = publish(out, self.step, self.cfg.run.keep_last) if rank0 else None
+        self.pending = begin_save(staging_dir(out, self.step), self.model, self.optimizer, self.weight_aliases,
+                                  self.step, {"config": self.cfg.to_dict()}, self.save_group, run.async_save)
+        if not run.async_save:
+            self.finish_save()
+
+    def finish_save(self) -> None:
+        """Completes the pending save, if any, and publishes it as `latest` (collective)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.finish()
+        if self._rank0():
+            publish(self.cfg.run.out_dir, pending.step, self.cfg.run.keep_last)
         if self.plan.distributed:
             dist.barrier()  # published before any rank goes on (a crash now leaves it complete)
-        return path
+
+    def _rank0(self) -> bool:
+        return not self.plan.distributed or dist.get_rank() == 0
 
     def _load(self, path: Path) -> dict:
         if (path / "model.safetensors").is_file():  # a gathered (full) folder, e.g. final/: one process only
