@@ -147,3 +147,16 @@ def test_overlap_of_busy_intervals_counted_by_hand():
     assert clipped["wall_s"] == 34e-9
     assert clipped["encoders"]["busy_while_others_busy"] == round(7 / 22, 4)
     assert clipped["llm"]["busy_of_wall"] == round(9 / 34, 4)
+
+
+def test_ckpt_bench_small_runs_both_modes_on_cpu(tmp_path):
+    """bench/ckpt_bench.py --small: a synchronous and an async_save row, each saving twice."""
+    cmd = [sys.executable, "bench/ckpt_bench.py", "--small", "--out", str(tmp_path), "--steps", "5",
+           "--save-every", "2", "--batch", "4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["async_save"] for r in rows] == [False, True]
+    assert all(r["saved_steps"] == [2, 4] and r["checkpoint_gib"] > 0 for r in rows)
+    assert (tmp_path / "async" / "step-4" / "state.json").is_file()
