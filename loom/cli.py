@@ -80,10 +80,10 @@ def launch_local(n_ranks: int, loom_args: list[str]) -> int:
 
 def _run(args, cfg) -> int:
     """train / verify: the same code on one process and on every rank of a torchrun launch."""
-    from loom.distributed import init_distributed, launched_world_size, shutdown
+    from loom.distributed import CollectiveStalled, init_distributed, launched_world_size, shutdown
 
     # under torchrun the rank's device follows the backend; one process honours train.device
-    device = init_distributed(cfg.parallel.backend) if launched_world_size() > 1 else None
+    device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s) if launched_world_size() > 1 else None
     try:
         if args.command == "verify":
             from loom.train.verify import ReferenceNotFinite, VerifyUsageError, verify
@@ -101,6 +101,9 @@ def _run(args, cfg) -> int:
 
         Trainer(cfg, device).run()
         return 0
+    except CollectiveStalled as e:
+        print(e, file=sys.stderr)
+        return 3
     except ConfigError as e:
         print(f"loom: config error: {e}", file=sys.stderr)
         return 2

@@ -114,6 +114,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (less memory)
     blocks_per_unit: int = 1  # FSDP2: consecutive blocks gathered together (fewer, larger collectives and hooks)
     debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks
+    timeout_s: int = 600  # a collective that does not complete in this time ends the run with an error
     # LLM pipeline (layout.language.pp > 1): torch.distributed.pipelining's schedule over the M microbatches
     pp_schedule: str = choice("1f1b", "1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
     pp_virtual_stages: int = 1  # stages per pp rank (interleaved_1f1b, zero_bubble: ≥ 2 cuts the bubble; zbv: 2)
@@ -195,6 +196,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "data.heldout_size": d.heldout_size,
             "data.pad_to_multiple": d.pad_to_multiple,
             "parallel.blocks_per_unit": cfg.parallel.blocks_per_unit,
+            "parallel.timeout_s": cfg.parallel.timeout_s,
             "model.language.num_layers": m.language.num_layers,
             "model.language.num_heads": m.language.num_heads,
             "model.language.num_kv_heads": m.language.num_kv_heads,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,10 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(backend: str = "auto") -> torch.device:
+def init_distributed(backend: str = "auto", timeout_s: int = 600) -> torch.device:
     """Initialises the default process group when launched by torchrun (WORLD_SIZE > 1) and returns this
-    rank's device: NCCL + its own GPU when CUDA is present, gloo + CPU otherwise."""
+    rank's device: NCCL + its own GPU (LOCAL_RANK: one per process on each machine) when CUDA is present,
+    gloo + CPU otherwise. A collective that does not complete in `timeout_s` raises instead of hanging."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     use_cuda = torch.cuda.is_available() and backend != "gloo"
@@ -30,7 +32,8 @@ def init_distributed(backend: str = "auto") -> torch.device:
     # DTensor warns that a norm over (dp, tp) takes two all-reduces; true, and cheap at the sizes that do it
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if launched_world_size() > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
+                                timeout=timedelta(seconds=timeout_s))
     return device
 
 
@@ -40,3 +43,29 @@ def shutdown() -> None:
 
         GroupRegistry.destroy_all()
         dist.destroy_process_group()
+
+
+class CollectiveStalled(RuntimeError):
+    """A collective timed out or lost a peer: the run ends with `stalled_message` instead of hanging."""
+
+
+def is_stalled_collective(error: BaseException) -> bool:
+    """Whether `error` is a collective that timed out or lost its peer (gloo and NCCL word it differently)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        s in text for s in ("Timed out", "timed out", "Connection closed by peer", "Watchdog caught collective"))
+
+
+def stalled_message(error: BaseException, where: str, timeout_s: int, health_group) -> str:
+    """What to tell the user when a collective stalled: on every rank the same sentence, and on rank 0 which
+    ranks did not answer a monitored barrier over `health_group` (a gloo group of every rank)."""
+    unanswered = ""
+    if health_group is not None:
+        try:
+            dist.monitored_barrier(group=health_group, timeout=timedelta(seconds=min(timeout_s, 30)),
+                                   wait_all_ranks=True)
+        except RuntimeError as e:  # rank 0: "Ranks 1, 3 failed to pass monitoredBarrier in …"
+            unanswered = f" {str(e).strip()}."
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"loom: rank {dist.get_rank()}: {where}: a collective did not complete within parallel.timeout_s = "
+            f"{timeout_s} s: a rank stopped or is stuck.{unanswered} ({first_line})")

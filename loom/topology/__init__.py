@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -33,7 +35,7 @@ class Topology:
     def build(cfg: JobConfig) -> Topology:
         """Inside an initialised process group: every rank creates the groups of GROUP_DIMS, in the same order."""
         topo = Topology.plan(cfg, dist.get_world_size())
-        topo.registry = GroupRegistry()
+        topo.registry = GroupRegistry(timeout=timedelta(seconds=cfg.parallel.timeout_s))
         topo.registry.build(list(topo.grids.values()))
         return topo
 

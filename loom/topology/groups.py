@@ -11,6 +11,8 @@ group, which exists already.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -50,12 +52,13 @@ class GroupRegistry:
     releases them at shutdown.
     """
 
-    def __init__(self, dim_sets: tuple[tuple[str, ...], ...] | None = None) -> None:
+    def __init__(self, dim_sets: tuple[tuple[str, ...], ...] | None = None, timeout: timedelta | None = None) -> None:
         self.dim_sets = tuple(GROUP_DIMS) if dim_sets is None else tuple(dim_sets)
         for dims in self.dim_sets:
             if not dims or tuple(d for d in DIMS if d in dims) != tuple(dims):
                 raise ValueError(f"group dims {dims} must be a non-empty subset of {DIMS}, in that order")
         self.created = 0  # groups this registry created (rank sets no earlier build had)
+        self.timeout = timeout  # of every group's collectives (new_group does not take the world's)
         self._groups = _GROUPS
         self._named: dict[str, list[tuple[int, ...]]] = {}  # add(): name → its rank sets
         self._backends: dict[str, str | None] = {}  # add(): name → its groups' backend (None: the default)
@@ -72,7 +75,7 @@ class GroupRegistry:
         `backend`: other than the default's (kept apart from the default-backend group of the same ranks)."""
         key = ranks if backend is None else (backend, ranks)
         if key not in self._groups:
-            group = dist.new_group(list(ranks), backend=backend)
+            group = dist.new_group(list(ranks), backend=backend, timeout=self.timeout)
             self._groups[key] = group if dist.get_rank() in ranks else None
             self.created += 1
 

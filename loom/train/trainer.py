@@ -12,6 +12,7 @@ import torch.distributed as dist
 from loom.config import JobConfig
 from loom.data.sample import Sample
 from loom.data.tasks import CHANCE
+from loom.distributed import CollectiveStalled, is_stalled_collective, stalled_message
 from loom.data.tokenizer import ByteTokenizer
 from loom.train.build import (
     build_batches,
@@ -40,7 +41,8 @@ from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_
 from loom.train.step import StepResult
 
 
-ASYNC_SAVE = "checkpoint: async save writer (gloo)"  # the registry's name for its group
+ASYNC_SAVE = "checkpoint: async save writer (gloo)"  # the registry's names for the trainer's own groups
+HEALTH = "health: which ranks stopped answering (gloo)"
 
 
 class Trainer:
@@ -61,7 +63,10 @@ class Trainer:
         check_data(cfg, self.plan, self.tok, self.counters)
         self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
-        self.save_group = None
+        self.save_group = self.health_group = None
+        if self.plan.distributed:  # rank 0 asks every rank over it which ones stopped answering (monitored barrier)
+            self.plan.topo.registry.add(HEALTH, [tuple(range(dist.get_world_size()))], backend="gloo")
+            self.health_group = self.plan.topo.registry.named(HEALTH)
         if cfg.run.async_save and self.plan.distributed:  # the background writer's collectives: gloo, apart
             self.plan.topo.registry.add(ASYNC_SAVE, [tuple(range(dist.get_world_size()))], backend="gloo")
             self.save_group = self.plan.topo.registry.named(ASYNC_SAVE)
@@ -115,6 +120,11 @@ class Trainer:
             if final:  # under a layout only rank 0 evaluates
                 log.log(self.step, final, kind="heldout")
                 log.print(heldout_report(final, time.perf_counter() - t0))
+        except Exception as e:
+            if self.plan.distributed and is_stalled_collective(e):
+                raise CollectiveStalled(stalled_message(e, f"after step {self.step}", cfg.parallel.timeout_s,
+                                                        self.health_group)) from e
+            raise
         finally:
             log.close()
         return final
