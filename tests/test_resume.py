@@ -228,3 +228,21 @@ def test_async_save_publishes_the_same_checkpoints(worlds, hetero_run, tmp_path)
     a, b = CheckpointWeights(hetero_run / "step-2"), CheckpointWeights(tmp_path / "step-2")
     assert a.names == b.names
     assert all(torch.equal(a.get(n), b.get(n)) for n in a.names)
+
+
+def test_a_parameter_adamw_has_not_stepped_yet_resumes_without_state(tmp_path):
+    """A parameter with no gradient so far has no AdamW state, so the checkpoint holds none for it: the load
+    must not refuse the checkpoint, and must leave that parameter without state (as the uninterrupted run
+    has), not with the zeros torch creates when it initialises a fresh optimizer."""
+    trainer = Trainer(load_config(None, _job(tmp_path / "a", 2, 0, "", [])))
+    trainer.train_step()
+    name = "audio.encoder.layers.0.mlp.fc1.weight"
+    param = dict(trainer.model.named_parameters())[name]
+    owner = next(opt for opt in trainer.optimizer if param in opt.state)
+    del owner.state[param]  # as if it had had no gradient yet
+    trainer.checkpoint()
+    fresh = Trainer(load_config(None, _job(tmp_path / "b", 2, 0, str(tmp_path / "a" / "step-1"), [])))
+    assert fresh.step == 1
+    params = dict(fresh.model.named_parameters())
+    assert params[name] not in fresh.optimizer.state
+    assert params["language.embed_tokens.weight"] in fresh.optimizer.state

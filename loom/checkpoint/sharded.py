@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -83,6 +84,21 @@ class ShardedState:
     def _add(self, prefix: str, name: str, suffix: str, t: torch.Tensor) -> None:
         self.tensors.setdefault(prefix + self.aliases.get(name, name) + suffix, t)  # a tie's second half: once
 
+    def drop_optimizer_state_missing_from(self, saved: dict) -> set[str]:
+        """Parameters with no optimizer state at all in the checkpoint: AdamW had not stepped them yet (they had
+        no gradient so far, e.g. an encoder whose inputs have not occurred), so they get none after the load
+        either (the optimizers' state is replaced by what `apply` sets, not merged with the fresh zeros).
+        Returns their names; a parameter with some of its fields saved is left to the coverage check."""
+        stateless = set()
+        for name, state in list(self.optim_state["state"].items()):
+            keys = [OPTIM + self.aliases.get(name, name) + "." + field for field in state]
+            if keys and not any(k in saved for k in keys):
+                stateless.add(name)
+                del self.optim_state["state"][name]
+                for k in keys:
+                    self.tensors.pop(k, None)
+        return stateless
+
     def apply(self) -> None:
         """After a load into `tensors`: back into the model and the optimizers (DCP loads DTensors in place;
         the setters make it hold for every kind of state). Both halves of a tie on one rank get the value
@@ -102,7 +118,9 @@ class ShardedState:
             for name, state in self.optim_state["state"].items():
                 for field in state:
                     state[field] = value(OPTIM + self.aliases.get(name, name) + "." + field)
-            set_optimizer_state_dict(self.model, self.optimizers, self.optim_state)
+            # not strict: a parameter AdamW has not stepped has no entry (drop_optimizer_state_missing_from)
+            set_optimizer_state_dict(self.model, self.optimizers, self.optim_state,
+                                     options=StateDictOptions(strict=False))
 
 
 class PendingSave:
@@ -159,7 +177,9 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[st
     path = Path(path)
     info = read_state(path)
     state = ShardedState(model, optimizer, aliases)
-    check_against(path, saved_metadata(path), state.tensors)
+    saved = saved_metadata(path)
+    state.drop_optimizer_state_missing_from(saved)
+    check_against(path, saved, state.tensors)
     with _quiet_single_process():
         dcp.load(state.tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not _distributed())
     state.apply()
