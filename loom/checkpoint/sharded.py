@@ -84,20 +84,17 @@ class ShardedState:
     def _add(self, prefix: str, name: str, suffix: str, t: torch.Tensor) -> None:
         self.tensors.setdefault(prefix + self.aliases.get(name, name) + suffix, t)  # a tie's second half: once
 
-    def drop_optimizer_state_missing_from(self, saved: dict) -> set[str]:
+    def forget_optimizer_state_not_in(self, saved: dict) -> None:
         """Parameters with no optimizer state at all in the checkpoint: AdamW had not stepped them yet (they had
         no gradient so far, e.g. an encoder whose inputs have not occurred), so they get none after the load
         either (the optimizers' state is replaced by what `apply` sets, not merged with the fresh zeros).
-        Returns their names; a parameter with some of its fields saved is left to the coverage check."""
-        stateless = set()
+        A parameter with some of its fields saved is left to the coverage check."""
         for name, state in list(self.optim_state["state"].items()):
             keys = [OPTIM + self.aliases.get(name, name) + "." + field for field in state]
             if keys and not any(k in saved for k in keys):
-                stateless.add(name)
                 del self.optim_state["state"][name]
                 for k in keys:
                     self.tensors.pop(k, None)
-        return stateless
 
     def apply(self) -> None:
         """After a load into `tensors`: back into the model and the optimizers (DCP loads DTensors in place;
@@ -118,7 +115,7 @@ class ShardedState:
             for name, state in self.optim_state["state"].items():
                 for field in state:
                     state[field] = value(OPTIM + self.aliases.get(name, name) + "." + field)
-            # not strict: a parameter AdamW has not stepped has no entry (drop_optimizer_state_missing_from)
+            # not strict: a parameter AdamW has not stepped has no entry (forget_optimizer_state_not_in)
             set_optimizer_state_dict(self.model, self.optimizers, self.optim_state,
                                      options=StateDictOptions(strict=False))
 
@@ -178,7 +175,7 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[st
     info = read_state(path)
     state = ShardedState(model, optimizer, aliases)
     saved = saved_metadata(path)
-    state.drop_optimizer_state_missing_from(saved)
+    state.forget_optimizer_state_not_in(saved)
     check_against(path, saved, state.tensors)
     with _quiet_single_process():
         dcp.load(state.tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not _distributed())
