@@ -246,3 +246,21 @@ def test_a_parameter_adamw_has_not_stepped_yet_resumes_without_state(tmp_path):
     params = dict(fresh.model.named_parameters())
     assert params[name] not in fresh.optimizer.state
     assert params["language.embed_tokens.weight"] in fresh.optimizer.state
+
+
+def test_saving_leaves_an_optimizer_that_has_not_stepped_untouched(tmp_path):
+    """A module whose optimizer has no state yet (none of its parameters had a gradient): saving must not
+    create any (torch's state-dict helper would step it once with zero gradients), and the checkpoint holds
+    none for it."""
+    from loom.checkpoint.read import CheckpointWeights
+    from loom.checkpoint.sharded import saved_metadata
+
+    trainer = Trainer(load_config(None, _job(tmp_path, 2, 0, "", [])))
+    trainer.train_step()
+    trainer.optimizer.by_module["audio"].state.clear()  # as if no audio had come yet
+    trainer.checkpoint()
+    assert not trainer.optimizer.by_module["audio"].state
+    saved = saved_metadata(tmp_path / "step-1")
+    assert not any(k.startswith("optim.audio.") for k in saved)
+    assert any(k.startswith("optim.language.") for k in saved)
+    assert "audio.encoder.conv1.weight" in CheckpointWeights(tmp_path / "step-1").names

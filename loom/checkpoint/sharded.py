@@ -69,8 +69,10 @@ class ShardedState:
     """This rank's part of the checkpointed state, keyed as above. `aliases`: tied names (tied_aliases of the
     unsplit model); when one rank holds both halves of a tie, the entry is saved once."""
 
-    def __init__(self, model: nn.Module, optimizer, aliases: dict[str, str]) -> None:
+    def __init__(self, model: nn.Module, optimizer, aliases: dict[str, str], saving: bool = False) -> None:
         self.model, self.optimizers, self.aliases = model, _optimizers(optimizer), aliases
+        if saving:  # an optimizer that has not stepped yet saves nothing: torch would step it with zero grads
+            self.optimizers = [opt for opt in self.optimizers if opt.state]
         self.model_state = get_model_state_dict(model)
         # on a fresh optimizer this creates zero moments (torch's _init_optim_state), the shapes a load fills
         self.optim_state = get_optimizer_state_dict(model, self.optimizers) if self.optimizers else {"state": {}}
@@ -149,7 +151,7 @@ def begin_save(path: str | Path, model: nn.Module, optimizer, aliases: dict[str,
     path.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if _distributed() else 0
     save_file(_rng_state(), path / f"rng-rank-{rank}.safetensors")
-    state = ShardedState(model, optimizer, aliases)
+    state = ShardedState(model, optimizer, aliases, saving=True)
     writer = HuggingFaceStorageWriter(str(path), save_distributed=_distributed())
     with _quiet_single_process():
         if run_async:
