@@ -264,3 +264,5 @@ def test_saving_leaves_an_optimizer_that_has_not_stepped_untouched(tmp_path):
     assert not any(k.startswith("optim.audio.") for k in saved)
     assert any(k.startswith("optim.language.") for k in saved)
     assert "audio.encoder.conv1.weight" in CheckpointWeights(tmp_path / "step-1").names
+    resumed = Trainer(load_config(None, _job(tmp_path / "r", 2, 0, str(tmp_path / "step-1"), [])))
+    assert not resumed.optimizer.by_module["audio"].state and resumed.optimizer.by_module["language"].state
