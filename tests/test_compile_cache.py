@@ -2,8 +2,8 @@
 
 On torch 2.13 a compiled TP + SP block restored from AOTAutograd's on-disk cache gave gradients 1% off
 (the forward and loss exact) while a fresh compile was exact; loom turns that cache off. The second run is
-a new process, as a restarted job is: only then is the on-disk cache read. Two ranks (tp2 + SP) show it; with the
-cache on, the second run fails on the grad norm (checked 2026-11-22).
+a new process, as a restarted job is: only then is the on-disk cache read. Two ranks (tp2 + SP) show it:
+with the cache on, the second run fails on the grad norm (checked 2026-11-22).
 """
 
 from __future__ import annotations
