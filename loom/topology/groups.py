@@ -41,7 +41,7 @@ class MissingGroupError(LookupError):
 # Process-wide: a rank set gets one group for the life of the process. DTensor caches sharding decisions by
 # mesh *equality* (ranks and dim names, not groups), so a second, equal mesh over new groups would be served
 # stale groups; sharing the groups across topologies (tests, `verify` after `train`) rules that out.
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_GROUPS: dict[tuple, dist.ProcessGroup | None] = {}
 
 
 class GroupRegistry:
@@ -70,10 +70,10 @@ class GroupRegistry:
                 for ranks in grid.rank_sets(*dims):
                     self._create(ranks)
 
-    def _create(self, ranks: tuple[int, ...], backend: str | None = None) -> None:
+    def _create(self, ranks: tuple[int, ...], backend: str | None = None, name: str = "") -> None:
         """The group over `ranks`, unless an earlier set was the same: every rank calls it (a world collective).
-        `backend`: other than the default's (kept apart from the default-backend group of the same ranks)."""
-        key = ranks if backend is None else (backend, ranks)
+        `backend`: other than the default's; such a group is `name`'s own (no other user shares its queue)."""
+        key = _key(ranks, backend, name)
         if key not in self._groups:
             group = dist.new_group(list(ranks), backend=backend, timeout=self.timeout)
             self._groups[key] = group if dist.get_rank() in ranks else None
@@ -97,13 +97,12 @@ class GroupRegistry:
         self._named[name] = [tuple(ranks) for ranks in rank_sets]
         self._backends[name] = backend
         for ranks in self._named[name]:
-            self._create(ranks, backend)
+            self._create(ranks, backend, name)
 
     def named(self, name: str) -> dist.ProcessGroup | None:
         """This rank's group among the sets added as `name`; None when it is in none of them."""
         me, backend = dist.get_rank(), self._backends[name]
-        return next((self._groups[ranks if backend is None else (backend, ranks)]
-                     for ranks in self._named[name] if me in ranks), None)
+        return next((self._groups[_key(ranks, backend, name)] for ranks in self._named[name] if me in ranks), None)
 
     @staticmethod
     def destroy_all() -> None:
@@ -112,3 +111,8 @@ class GroupRegistry:
             if group is not None:
                 dist.destroy_process_group(group)
         _GROUPS.clear()
+
+
+def _key(ranks: tuple[int, ...], backend: str | None, name: str) -> tuple:
+    """Default-backend groups are shared by every user of the same ranks; another backend's belong to `name`."""
+    return ranks if backend is None else (backend, name, ranks)
