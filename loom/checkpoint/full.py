@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from loom.checkpoint.sharded import optimizer_list
 from loom.train.optim import GradNormShare
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -84,7 +85,7 @@ def save_sharded_as_full(
 
     weights = gather_full_weights(model, to_rank0=True, spread=spread)
     optim = get_optimizer_state_dict(
-        model, _optimizers(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=spread is None)
+        model, optimizer_list(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=spread is None)
     )
     moments = {
         f"{fqn}.{key}": torch.as_tensor(value).cpu().contiguous()
@@ -128,13 +129,8 @@ def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 def _load_optimizer_tensors(model: nn.Module, optimizer, tensors: dict) -> None:
     """`optimizer`: a torch optimizer or a ModuleOptimizers; each parameter's moments go to the one owning it."""
-    owners = {id(p): opt for opt in _optimizers(optimizer) for g in opt.param_groups for p in g["params"]}
+    owners = {id(p): opt for opt in optimizer_list(optimizer) for g in opt.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
         state = {k: tensors[f"{name}.{k}"].to(p.device) for k in OPTIMIZER_KEYS if f"{name}.{k}" in tensors}
         if state and id(p) in owners:
             owners[id(p)].state[p] = state
-
-
-def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-

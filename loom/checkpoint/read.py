@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loom.checkpoint.sharded import MODEL, STATE_FILE, CheckpointError, read_one, read_state, saved_metadata
+from loom.checkpoint.sharded import MODEL, read_one, read_state, saved_metadata
 
 
 class CheckpointWeights:
@@ -17,8 +17,6 @@ class CheckpointWeights:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.gathered = (self.path / "model.safetensors").is_file()
-        if not (self.path / STATE_FILE).is_file():
-            raise CheckpointError(f"{self.path} is not a loom checkpoint (no {STATE_FILE})")
         self.state = read_state(self.path)
         if self.gathered:
             with safe_open(self.path / "model.safetensors", "pt") as f:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
     """A torch optimizer, a ModuleOptimizers (one per module) or None (weights only)."""
     if optimizer is None:
         return []
@@ -70,7 +71,7 @@ class ShardedState:
     unsplit model); when one rank holds both halves of a tie, the entry is saved once."""
 
     def __init__(self, model: nn.Module, optimizer, aliases: dict[str, str], saving: bool = False) -> None:
-        self.model, self.optimizers, self.aliases = model, _optimizers(optimizer), aliases
+        self.model, self.optimizers, self.aliases = model, optimizer_list(optimizer), aliases
         if saving:  # an optimizer that has not stepped yet saves nothing: torch would step it with zero grads
             self.optimizers = [opt for opt in self.optimizers if opt.state]
         self.model_state = get_model_state_dict(model)
@@ -215,9 +216,9 @@ def check_against(path: Path, saved: dict[str, TensorStorageMetadata], wanted: d
         meta = saved[key]
         if tuple(meta.size) != tuple(t.shape):
             raise CheckpointError(f"{path}: {key} is saved as {tuple(meta.size)}, the model has {tuple(t.shape)}")
-        covered = sum(_numel(c.sizes) for c in meta.chunks)
-        if covered < _numel(meta.size):
-            raise CheckpointError(f"{path}: the shard files hold {covered} of {key}'s {_numel(meta.size)} "
+        covered = sum(math.prod(c.sizes) for c in meta.chunks)
+        if covered < math.prod(meta.size):
+            raise CheckpointError(f"{path}: the shard files hold {covered} of {key}'s {math.prod(meta.size)} "
                                   f"elements (a missing shard file?)")
 
 
@@ -235,13 +236,6 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _numel(size) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

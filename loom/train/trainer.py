@@ -63,13 +63,10 @@ class Trainer:
         check_data(cfg, self.plan, self.tok, self.counters)
         self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
-        self.save_group = self.health_group = None
-        if self.plan.distributed:  # rank 0 asks every rank over it which ones stopped answering (monitored barrier)
-            self.plan.topo.registry.add(HEALTH, [tuple(range(dist.get_world_size()))], backend="gloo")
-            self.health_group = self.plan.topo.registry.named(HEALTH)
-        if cfg.run.async_save and self.plan.distributed:  # the background writer's collectives: gloo, apart
-            self.plan.topo.registry.add(ASYNC_SAVE, [tuple(range(dist.get_world_size()))], backend="gloo")
-            self.save_group = self.plan.topo.registry.named(ASYNC_SAVE)
+        # rank 0 asks every rank over the health group which ones stopped answering (monitored barrier); the
+        # background checkpoint writer's collectives run on a group of their own
+        self.health_group = self._world_gloo_group(HEALTH) if self.plan.distributed else None
+        self.save_group = self._world_gloo_group(ASYNC_SAVE) if self.plan.distributed and cfg.run.async_save else None
         self.step = 0
         self.train_set, self.heldout = build_datasets(cfg)
         self.batches = build_batches(cfg, self.train_set, self.tok, self.counters)
@@ -179,6 +176,11 @@ class Trainer:
             publish(self.cfg.run.out_dir, pending.step, self.cfg.run.keep_last)
         if self.plan.distributed:
             dist.barrier()  # published before any rank goes on (a crash now leaves it complete)
+
+    def _world_gloo_group(self, name: str):
+        """A gloo group of every rank, `name`'s own, created through the registry (a world collective)."""
+        self.plan.topo.registry.add(name, [tuple(range(dist.get_world_size()))], backend="gloo")
+        return self.plan.topo.registry.named(name)
 
     def _rank0(self) -> bool:
         return not self.plan.distributed or dist.get_rank() == 0
