@@ -75,7 +75,7 @@ def _tiny(mode: str, *extra: str):
                              f"--train.activation_checkpointing={mode}", *extra])
     tok = ByteTokenizer()
     torch.manual_seed(0)
-    model = build_job_model(cfg, tok, pretrained=False)
+    model = build_job_model(cfg, tok)
     names = sorted(model.state_dict())
     setup_parallel(model, cfg, torch.device("cpu"))
     g = torch.Generator().manual_seed(7)
@@ -152,7 +152,7 @@ def test_state_dict_keys_do_not_change():
         model, names, _ = _tiny(mode)
         assert sorted(model.state_dict()) == names
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in build_job_model(
-            load_config(None, [*TINY_MODEL_OVERRIDES]), ByteTokenizer(), pretrained=False).named_parameters()]
+            load_config(None, [*TINY_MODEL_OVERRIDES]), ByteTokenizer()).named_parameters()]
         assert not any("checkpoint" in n for n in names)
 
 
@@ -160,7 +160,7 @@ def _applied_under_layout(mode: str) -> tuple[bool, bool]:
     """On a dp2 world: the blocks are checkpointed under FSDP and the state_dict keys are the model's own."""
     cfg = load_config(None, [*TINY_MODEL_OVERRIDES, "--train.device=cpu", f"--train.activation_checkpointing={mode}"],
                       world_size=2)
-    model = build_job_model(cfg, ByteTokenizer(), pretrained=False)
+    model = build_job_model(cfg, ByteTokenizer())
     names = sorted(model.state_dict())
     setup_parallel(model, cfg, torch.device("cpu"))
     applied = all(getattr(b.forward, "activation_checkpointing", None) == mode

@@ -31,7 +31,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa:
 import loom.cli  # noqa: E402
 from loom.config import load_config  # noqa: E402
 from loom.models.attention import TokenLayout  # noqa: E402
-from loom.models.hf import HFError, build_pretrained, config_from_folder, export_module, load_module  # noqa: E402
+from loom.models.hf import HFError, HFWeights, build_pretrained, config_from_folder, export_module, load_module  # noqa: E402
 from loom.models.layers import rope_inv_freq  # noqa: E402
 from loom.models.llm import DecoderLM  # noqa: E402
 from loom.models.vision import VisionEncoder  # noqa: E402
@@ -216,23 +216,22 @@ def test_sharded_checkpoint_loads(hf, tmp_path):
     assert all(torch.equal(sharded.state_dict()[k], v) for k, v in whole.state_dict().items())
 
 
-def test_meta_build_materialises_ties_buffers_and_reads_per_tensor(hf):
+def test_meta_build_materialises_ties_buffers_and_reads_parts(hf):
     _, folder = hf("qwen2")
-    seen = []
-
-    def select(name, tensor_slice):
-        seen.append(name)
-        return tensor_slice[:]
-
-    lm = build_pretrained(folder, select=select)
+    lm = build_pretrained(folder)
     assert not any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
     assert lm.lm_head.weight is lm.embed_tokens.weight  # to_empty un-ties; loading re-ties
     c = lm.cfg
     assert torch.equal(lm.rotary.inv_freq, rope_inv_freq(c.dim_per_head, c.rope_theta, c.rope_scaling))
-    assert len(seen) == len(set(seen)) == len(dict(lm.named_parameters()))  # each tensor read once
-    # a selection that returns the wrong part is refused, naming the tensor
-    with pytest.raises(HFError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
-        build_pretrained(folder, select=lambda n, s: s[:1] if n == "layers.0.self_attn.q_proj.weight" else s[:])
+    # a rank reads only its part of a tensor: the box of the whole one
+    with torch.device("meta"):
+        meta = DecoderLM(c)
+    weights = HFWeights(folder, meta)
+    name, box = "layers.0.self_attn.q_proj.weight", (slice(4, 12), slice(3, 9))
+    part = weights.read(name, box)
+    assert part.shape == (8, 6)
+    assert torch.equal(part.to(lm.get_parameter(name).dtype), lm.get_parameter(name).detach()[box])
+    weights.close()
 
 
 # ---------------------------------------------------------------- export
@@ -321,3 +320,62 @@ def test_job_loads_hf_modules_and_exports_its_checkpoint(hf, tmp_path, capsys):
                          exported["language"](ids).logits) <= TOL
         assert _max_diff(model.vision.encoder(list(images)), exported["vision"](images).last_hidden_state[0]) <= TOL
         assert _max_diff(model.audio.encoder(list(clips)), exported["audio"](clips).last_hidden_state[0]) <= TOL
+
+
+def _load_under_layout(folders: dict[str, str]) -> dict:
+    """On every rank: the job's model under LLM tp2·dp2 and vision tp2 from HF folders; what each rank read of
+    each folder (elements), what it holds, and whether the shards put together are the folders' tensors."""
+    import torch.distributed as dist
+
+    from loom.data.tokenizer import ByteTokenizer
+    from loom.train.build import build_job_model, initial_weights, setup_parallel
+
+    cfg = load_config(None, [f"--model.{m}.hf={f}" for m, f in folders.items()] + [
+        "--layout.language.tp=2", "--layout.vision.tp=2", "--train.device=cpu"], world_size=dist.get_world_size())
+    model = build_job_model(cfg, ByteTokenizer())
+    weights = initial_weights(model, cfg)
+    read = dict.fromkeys(weights.folders, 0)  # elements taken out of each folder's files
+
+    class CountedSlice:
+        def __init__(self, part, prefix):
+            self.part, self.prefix = part, prefix
+
+        def __getitem__(self, box):
+            out = self.part[box]
+            read[self.prefix] += out.numel()
+            return out
+
+    class CountedFile:
+        def __init__(self, handle, prefix):
+            self.handle, self.prefix = handle, prefix
+
+        def get_slice(self, name):
+            return CountedSlice(self.handle.get_slice(name), self.prefix)
+
+    for prefix, w in weights.folders.items():
+        w._open = lambda path, _open=w._open, _prefix=prefix: CountedFile(_open(path), _prefix)
+    setup_parallel(model, cfg, torch.device("cpu"), weights)
+    weights.close()
+    held = dict.fromkeys(read, 0)
+    for name, t in model.state_dict().items():
+        prefix = next((p for p in held if name.startswith(p)), None)
+        if prefix is not None:
+            held[prefix] += (t.to_local() if hasattr(t, "to_local") else t).numel()
+    full = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in model.state_dict().items()}
+    same = {}
+    for module, folder in folders.items():
+        prefix = "language." if module == "language" else f"{module}.encoder."
+        want = build_pretrained(folder).state_dict()
+        same[module] = all(torch.equal(full[prefix + k], v) for k, v in want.items())
+    whole = {p: sum(t.numel() for n, t in full.items() if n.startswith(p)) for p in read}
+    return {"read": read, "held": held, "whole": whole, "same": same}
+
+
+def test_a_layout_reads_only_its_part_of_each_hf_tensor(hf, worlds):
+    folders = {"language": str(hf("llama")[1]), "vision": str(hf("siglip")[1]), "audio": str(hf("whisper")[1])}
+    for rank in worlds.run(4, _load_under_layout, folders, timeout=300):
+        assert all(rank["same"].values()), rank["same"]  # the shards put together are the folder's tensors
+        # each rank reads exactly what it holds: its tp × dp part (FSDP's dp4 for audio), never whole tensors
+        assert rank["read"] == rank["held"], rank
+        for prefix in ("language.", "vision.encoder."):
+            assert rank["read"][prefix] < 0.3 * rank["whole"][prefix], (prefix, rank)

@@ -24,10 +24,10 @@ OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "step")
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """state_dict without the second name of a shared (tied) tensor; safetensors refuses aliases."""
     seen, out = set(), {}
-    for name, t in model.state_dict().items():
-        if t.data_ptr() in seen:
+    for name, t in model.state_dict(keep_vars=True).items():  # the tensors themselves: a tie is one object
+        if id(t) in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(id(t))
         out[name] = t.detach().contiguous()
     return out
 

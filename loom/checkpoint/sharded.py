@@ -44,10 +44,11 @@ class CheckpointError(ValueError):
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """The second (third, …) state-dict name of a shared tensor → its first name, on the unsplit model."""
+    """The second (third, …) state-dict name of a shared tensor → its first name, on the unsplit model (by
+    identity: on `meta` every tensor has the same data_ptr)."""
     first, aliases = {}, {}
     for name, t in model.state_dict(keep_vars=True).items():
-        key = (t.data_ptr(), tuple(t.shape))
+        key = id(t)
         if key in first:
             aliases[name] = first[key]
         else:

@@ -53,6 +53,10 @@ class AudioEncoder(nn.Module):
     def out_dim(self) -> int:
         return self.cfg.hidden_size
 
+    def reset_buffers(self) -> None:
+        """Recomputes the position table in place (after a module built on `meta` gets storage)."""
+        self.embed_positions.copy_(sinusoids(self.cfg.max_positions, self.cfg.hidden_size))
+
     def empty_input(self) -> torch.Tensor:
         """The smallest valid clip: two frames (one after subsampling)."""
         return torch.zeros(self.cfg.num_features, 2, device=self.conv1.weight.device)

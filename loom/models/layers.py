@@ -55,7 +55,13 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recomputes the frequencies (after a module built on `meta` gets storage), in fp32 whatever the
+        module's dtype: bf16 frequencies would shift every rotation."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.float()

@@ -87,3 +87,10 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t  # this rank's shard, the same memory (no autograd)
+
+
+def tied_copy_names(model: nn.Module) -> dict[str, str]:
+    """This rank's copies of a weight the one-process model shares, by name → the one-process name: a pipelined
+    LLM's head copy of the tied embedding."""
+    language = getattr(model, "language", None)
+    return {f"language.{k}": f"language.{v}" for k, v in getattr(language, "tied_copies", {}).items()}

@@ -18,13 +18,14 @@ from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer
-from loom.models.hf import make_module
+from loom.models.hf import HFWeights
 from loom.models.multimodal import MultimodalModel, build_model
 from loom.parallel import parallelize
 from loom.parallel.checkpointing import checkpoint_blocks
 from loom.parallel.compile import compile_blocks
+from loom.parallel.materialize import InitialWeights, materialize
 from loom.parallel.pipeline import Pipeline
-from loom.parallel.tied import TiedEmbedding, tied_embedding_group
+from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
 from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
@@ -47,19 +48,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_job_model(cfg: JobConfig, tok: ByteTokenizer, pretrained: bool = True) -> MultimodalModel:
-    """The job's model; a module whose `hf` folder is set loads its weights from there when `pretrained`
-    (its sizes were already taken from that folder by load_config). Projectors start from random weights."""
+def build_job_model(cfg: JobConfig, tok: ByteTokenizer) -> MultimodalModel:
+    """The job's model on the `meta` device: shapes only. Storage and values come after the layout is
+    applied (`setup_parallel` → parallel/materialize.py), so no rank ever holds the whole model."""
     m = cfg.model
-    model = build_model(
-        m.language,
-        m.vision if "vision" in m.encoders else None,
-        m.audio if "audio" in m.encoders else None,
-        tok.placeholder_ids,
-        make=functools.partial(make_module, pretrained=pretrained),
-    )
+    with torch.device("meta"):
+        model = build_model(m.language, m.vision if "vision" in m.encoders else None,
+                            m.audio if "audio" in m.encoders else None, tok.placeholder_ids)
     freeze_modules(model, [*model.encoder_names, "language"], cfg.train)
     return model
+
+
+def initial_weights(model: MultimodalModel, cfg: JobConfig, pretrained: bool = True) -> InitialWeights:
+    """Where each weight's first value comes from: the folder of a module whose `hf` is set (when
+    `pretrained`; every name and shape is checked now, from the files' headers, before anything is read),
+    else a draw seeded by its name. Projectors always start from draws."""
+    folders = {}
+    for name in (*model.encoder_names, "language") if pretrained else ():
+        folder = getattr(cfg.model, name).hf
+        if folder:
+            module = model.language if name == "language" else model.encoder(name).encoder
+            prefix = "language." if name == "language" else f"{name}.encoder."
+            folders[prefix] = HFWeights(folder, module)
+    return InitialWeights(cfg.train.seed, cfg.model.language.init_std, folders)
 
 
 def token_counters(model: MultimodalModel) -> dict[str, TokenCounter]:
@@ -143,16 +154,32 @@ class RankPlan:
         return contextlib.nullcontext
 
 
-def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device) -> RankPlan:
+def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
+                   weights: InitialWeights | None = None) -> RankPlan:
     """Every run: compile and checkpoint the blocks as configured. Under torchrun also: build every group,
-    apply each module's layout, and build the bridges."""
+    apply each module's layout, and build the bridges. Then the model (on `meta` until now) gets storage on
+    `device` for what this rank holds, filled from `weights` (default: the job's `initial_weights`)."""
     modules = [*model.encoder_names, "language"]
     if cfg.train.compile:  # traced lazily at the first step, so the layout below is what it sees
         compile_blocks(model, modules, cfg)
     # after compile (the compiled forward runs inside the checkpoint); TP/FSDP hooks stay outside it
     checkpoint_blocks(model, modules, cfg.train.activation_checkpointing, cfg.train.compile)
-    if not dist.is_initialized():
-        return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple, hosted=tuple(modules))
+    if dist.is_initialized():
+        plan = _rank_plan(model, cfg, device, modules)
+    else:
+        plan = RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, cfg.data.pad_to_multiple, hosted=tuple(modules))
+    own = weights is None
+    weights = initial_weights(model, cfg) if own else weights
+    try:
+        materialize(model, device, weights, tied_copy_names(model))
+    finally:
+        if own:
+            weights.close()
+    return plan
+
+
+def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, modules: list[str]) -> RankPlan:
+    """The layouts applied to this rank's part of `model` (still on `meta`), and what its steps need."""
     topo = Topology.build(cfg)
     tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
     me = topo.role()

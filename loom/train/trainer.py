@@ -18,6 +18,7 @@ from loom.train.build import (
     build_batches,
     build_datasets,
     build_job_model,
+    initial_weights,
     check_data,
     longest_samples,
     resolve_device,
@@ -31,9 +32,9 @@ from loom.checkpoint.full import (
     load_checkpoint,
     save_checkpoint,
     save_sharded_as_full,
-    unique_state_dict,
 )
 from loom.checkpoint.sharded import begin_save, load_sharded, tied_aliases
+from loom.models.init import give_storage
 from loom.train.evaluate import evaluate
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
@@ -48,18 +49,21 @@ HEALTH = "health: which ranks stopped answering (gloo)"
 class Trainer:
     def __init__(self, cfg: JobConfig, device: torch.device | None = None) -> None:
         self.cfg = cfg
-        torch.manual_seed(cfg.train.seed)  # every rank builds the same initial weights
+        torch.manual_seed(cfg.train.seed)  # initial weights are seeded per name; this seeds any later draw
         self.device = device or resolve_device(cfg.train.device)
         self.tok = ByteTokenizer()
         self.resume_from = resume_path(cfg.run.resume, cfg.run.out_dir)  # files only: the same on every rank
-        self.model = build_job_model(cfg, self.tok, pretrained=self.resume_from is None).to(self.device)
+        self.model = build_job_model(cfg, self.tok)  # on meta until setup_parallel gives this rank its shards
+        # a resumed run takes its weights from the checkpoint: no Hugging Face folder is read
+        weights = initial_weights(self.model, cfg, pretrained=self.resume_from is None)
         self.counters = token_counters(self.model)
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
         self.cfg = cfg = with_padded_length(cfg, longest_samples(cfg, self.tok, self.counters), layout_multiple(cfg))
-        self.weight_names = set(unique_state_dict(self.model))
         self.weight_aliases = tied_aliases(self.model)  # taken before a pipeline split unties them
+        self.weight_names = set(self.model.state_dict()) - set(self.weight_aliases)
         self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model (a rank may keep part)
-        self.plan = setup_parallel(self.model, cfg, self.device)
+        self.plan = setup_parallel(self.model, cfg, self.device, weights)
+        weights.close()
         check_data(cfg, self.plan, self.tok, self.counters)
         self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
@@ -147,9 +151,10 @@ class Trainer:
         full = gather_full_weights(self.model, to_rank0=True, spread=self.plan.spread)
         if dist.get_rank() != 0:
             return None
-        copy = build_job_model(self.cfg, self.tok, pretrained=False)
+        copy = build_job_model(self.cfg, self.tok)
+        give_storage(copy, self.device)
         copy.load_state_dict({k: v for k, v in full.items() if k in self.weight_names}, strict=False)
-        return copy.to(self.device)
+        return copy
 
     def checkpoint(self) -> None:
         """A sharded, crash-safe checkpoint of this step in out_dir (collective: every rank calls it). Under

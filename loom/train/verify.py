@@ -8,7 +8,6 @@ compiled (`--against compile`) or in bf16 (`--against bf16`) — never the model
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -24,6 +23,7 @@ from loom.train.build import (
     build_batches,
     build_datasets,
     build_job_model,
+    initial_weights,
     check_data,
     global_batch,
     longest_samples,
@@ -32,6 +32,8 @@ from loom.train.build import (
     step_inputs,
     token_counters,
 )
+from loom.parallel.materialize import materialize
+from loom.parallel.tied import tied_copy_names
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
@@ -78,14 +80,16 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     checked = checked_config(cfg, against, distributed)
     tolerances = DEFAULT_TOLERANCES[checked.train.dtype] if tolerance is None else Tolerances.uniform(tolerance)
     device = device or resolve_device(cfg.train.device)
-    torch.manual_seed(cfg.train.seed)
     tok = ByteTokenizer()
-    model = build_job_model(cfg, tok).to(device)
-    reference = copy.deepcopy(model)  # same weights, never parallelised or compiled, fp32
+    model = build_job_model(cfg, tok)  # on meta: setup_parallel gives this rank storage for its shards only
+    weights = initial_weights(model, cfg)
+    reference = build_job_model(cfg, tok)
+    materialize(reference, device, weights)  # whole, never parallelised or compiled, fp32
     counters = token_counters(reference)
     cfg = with_padded_length(cfg, longest_samples(cfg, tok, counters), layout_multiple(cfg))  # bshd: S fixed
     checked = dataclasses.replace(checked, data=cfg.data)
-    plan = setup_parallel(model, checked, device)
+    plan = setup_parallel(model, checked, device, weights)
+    weights.close()
     check_data(cfg, plan, tok, counters)
     modules = [*reference.encoder_names, "language"]
     optimizer, ref_optimizer = ModuleOptimizers(model, plan.hosted, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
@@ -93,7 +97,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     eager_fp32 = dataclasses.replace(cfg.train, compile=False, dtype="fp32")
     out = console or Console(width=170)
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
-    checks = []
+    checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
     for step in range(steps):
         mine = step_inputs(batches, step, plan, checked, tok, counters, device)
         full = StepInputs.of(collate(global_batch(batches, step, cfg, plan)[0], cfg, tok).to(device))  # the whole global batch at once
@@ -104,11 +108,11 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
             raise ReferenceNotFinite(
                 f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
                 f"there is nothing to verify against; lower train.lr or check the data")
-        before, grads, notes = parameters(model), {}, []
+        before, grads, notes = parameters(model), {}, first_notes if step == 0 else []
         r = plan.train_step(model, optimizer, mine, checked, step, device,
                             inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)))
         updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
-                                  tied_copies(model))
+                                  tied_copy_names(model))
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
                                 {m: ModuleCheck(grads.get(m), updates[m]) for m in updates}, tolerances, notes))
     if plan.is_logger:
@@ -132,11 +136,21 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def tied_copies(model: torch.nn.Module) -> dict[str, str]:
-    """This rank's copies of a weight the reference shares, by name → the reference's name: a pipelined LLM's
-    head copy of the tied embedding (parallel/tied.py)."""
-    language = getattr(model, "language", None)
-    return {f"language.{k}": f"language.{v}" for k, v in getattr(language, "tied_copies", {}).items()}
+def compare_initial(layout: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                    share: GradNormShare | None, twins: dict[str, str]) -> list[str]:
+    """Failures where the layout's initial weights (its shards put together) are not bitwise the reference's:
+    initialisation must not depend on the layout. One rank per module stage checks; every rank gets all notes."""
+    notes = []
+    for name, value in layout.items():
+        module, ref = name.split(".", 1)[0], reference[twins.get(name, name)]
+        if (share is None or module in share.adds) and not torch.equal(value, ref):
+            notes.append(f"{module}: {name} starts from other values than the reference's "
+                         f"(max |Δ| {(value - ref).abs().max().item():.3g})")
+    if share is None:
+        return notes
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, notes)
+    return [n for rank_notes in everyone for n in rank_notes]
 
 
 def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], notes: list[str],
@@ -144,7 +158,7 @@ def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor]
     """Per module: the layout's whole gradients (gathered over its shards and replicas) against the
     reference's, before clipping. A gradient present on one side only is noted as a failure."""
     out: dict[str, Agreement] = {}
-    twins = tied_copies(model)
+    twins = tied_copy_names(model)
     for name, p in model.named_parameters():
         module, ref_name = name.split(".", 1)[0], twins.get(name, name)
         if (p.grad is None) != (ref_name not in ref_grads):

@@ -3,11 +3,9 @@
 A folder holds `config.json` and `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 Pickled weights (`*.bin`, `*.pt`, ...) are refused: loading them would run code from the file.
 
-The only loading path reads each tensor on its own through `safetensors.safe_open`, after every name and
-shape has been checked against the module; a module built on the `meta` device is materialised first, so a
-large model never exists twice in memory. `select(name, tensor_slice)` lets a caller read part of a tensor
-(a tensor-parallel rank its shard: `tensor_slice[start:end]`); the result must have the shape of the
-module's own tensor.
+Every read goes through `HFWeights`: it checks each name and shape against the module from the files'
+headers first, then reads one tensor — or one part of a tensor, a rank's shard — at a time through
+`safetensors.safe_open`, so a large model never exists twice in memory, nor whole on a rank that holds part.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +23,7 @@ from safetensors import safe_open
 
 from loom.models.audio import AudioEncoder
 from loom.models.hf.mapping import HFError, config_from_hf, detect_prefix, hf_name, kind_of, skip_reason
-from loom.models.layers import rope_inv_freq
+from loom.models.init import give_storage
 from loom.models.llm import DecoderLM
 from loom.models.vision import VisionEncoder
 
@@ -35,7 +32,6 @@ if TYPE_CHECKING:
 
 MODULES = {"language": DecoderLM, "vision": VisionEncoder, "audio": AudioEncoder}
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-Select = Callable[[str, object], torch.Tensor]  # (loom name, safetensors slice) → the tensor to copy in
 
 
 @dataclass
@@ -123,103 +119,78 @@ def expected_tensors(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return names
 
 
-def load_module(folder: str | Path, module: nn.Module, select: Select | None = None,
-                device: torch.device | str | None = None) -> LoadReport:
-    """Fills `module` (DecoderLM, VisionEncoder or AudioEncoder; may live on `meta`) from a Hugging Face
-    folder. Missing, unexpected or mis-shaped tensors are errors naming every one of them; the tensors that
-    are deliberately not loaded (SigLIP's head, Whisper's decoder, ...) are listed in the returned report."""
-    where = str(folder)
-    kind = module_kind(module)
-    hf = read_hf_config(folder)
-    _check_kind(hf, kind, where)
-    index = checkpoint_index(folder)
-    expected = expected_tensors(module)
-    prefix = detect_prefix(kind, index, where)
-    names = {n: hf_name(kind, n, prefix) for n in expected}
-    report = LoadReport(loaded=names)
-    for name in index:
-        reason = skip_reason(kind, name, prefix, hf)
-        if reason and name not in names.values():
-            report.skipped[name] = reason
-    missing = [f"{h} (for {n})" for n, h in names.items() if h not in index]
-    unexpected = sorted(set(index) - set(names.values()) - set(report.skipped))
-    if missing or unexpected:
-        raise HFError(f"{where} does not match loom's {kind} module: missing tensors {missing}; "
-                      f"unexpected tensors {unexpected}")
-    with _open_files() as open_file:
-        if select is None:
-            shapes = {n: tuple(open_file(index[h]).get_slice(h).get_shape()) for n, h in names.items()}
-            _check_shapes(where, names, shapes, expected)
-        materialize(module, device)
+class HFWeights:
+    """One module's tensors in a Hugging Face folder, checked against the module and then read box by box.
+
+    Construction reads only the safetensors headers: every name the module needs must be there with its
+    shape (missing, unexpected or mis-shaped tensors are one error naming each), so a wrong folder fails
+    before any weight is read. `read(name, box)` then reads just that part of a tensor — a rank its shard."""
+
+    def __init__(self, folder: str | Path, module: nn.Module) -> None:
+        self.where = where = str(folder)
+        self.kind = kind = module_kind(module)
+        hf = read_hf_config(folder)
+        _check_kind(hf, kind, where)
+        self.index = index = checkpoint_index(folder)
+        expected = expected_tensors(module)
+        prefix = detect_prefix(kind, index, where)
+        self.names = names = {n: hf_name(kind, n, prefix) for n in expected}
+        self.report = LoadReport(loaded=names)
+        for name in index:
+            reason = skip_reason(kind, name, prefix, hf)
+            if reason and name not in names.values():
+                self.report.skipped[name] = reason
+        missing = [f"{h} (for {n})" for n, h in names.items() if h not in index]
+        unexpected = sorted(set(index) - set(names.values()) - set(self.report.skipped))
+        if missing or unexpected:
+            raise HFError(f"{where} does not match loom's {kind} module: missing tensors {missing}; "
+                          f"unexpected tensors {unexpected}")
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[Path, object] = {}
+        shapes = {n: tuple(self._open(index[h]).get_slice(h).get_shape()) for n, h in names.items()}
+        bad = [f"{names[n]}: checkpoint {list(shapes[n])} vs loom {n} {list(expected[n])}"
+               for n in names if shapes[n] != expected[n]]
+        if bad:
+            self.close()
+            raise HFError(f"{where}: shape mismatch for {bad}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor `name` (the module's own name), or only its part `box` (one slice per dim)."""
+        h = self.names[name]
+        part = self._open(self.index[h]).get_slice(h)
+        return part[:] if box is None or not box else part[box]
+
+    def _open(self, path: Path):
+        if path not in self._handles:  # each shard file opened once
+            self._handles[path] = self._stack.enter_context(safe_open(path, "pt"))
+        return self._handles[path]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+
+def load_module(folder: str | Path, module: nn.Module, device: torch.device | str | None = None) -> LoadReport:
+    """Fills `module` (DecoderLM, VisionEncoder or AudioEncoder; may live on `meta`) from a Hugging Face folder,
+    one tensor at a time. The tensors deliberately not loaded (SigLIP's head, Whisper's decoder, ...) are
+    listed in the returned report."""
+    weights = HFWeights(folder, module)
+    try:
+        give_storage(module, device or "cpu")
         targets = module.state_dict(keep_vars=True)
-        got = {}
         with torch.no_grad():
-            for n, h in names.items():
-                f = open_file(index[h])
-                value = f.get_tensor(h) if select is None else select(n, f.get_slice(h))
-                got[n] = tuple(value.shape)
-                if got[n] == expected[n]:
-                    targets[n].copy_(value)
-        _check_shapes(where, names, got, expected)
-    return report
+            for name in weights.names:
+                targets[name].copy_(weights.read(name))
+    finally:
+        weights.close()
+    return weights.report
 
 
-def _check_shapes(where: str, names: dict, shapes: dict, expected: dict) -> None:
-    bad = [f"{names[n]}: checkpoint {list(shapes[n])} vs loom {n} {list(expected[n])}"
-           for n in names if shapes[n] != expected[n]]
-    if bad:
-        raise HFError(f"{where}: shape mismatch for {bad}")
-
-
-@contextlib.contextmanager
-def _open_files():
-    """A function path → open safetensors handle; each shard is opened once and closed at the end."""
-    handles, stack = {}, contextlib.ExitStack()
-
-    def open_file(path: Path):
-        if path not in handles:
-            handles[path] = stack.enter_context(safe_open(path, "pt"))
-        return handles[path]
-
-    with stack:
-        yield open_file
-
-
-def materialize(module: nn.Module, device: torch.device | str | None = None) -> None:
-    """Gives a `meta` module real (uninitialised) storage, keeping tied parameters tied and recomputing the
-    buffers a checkpoint does not hold. No-op for a module that already has storage."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if not any(t.is_meta for t in tensors):
-        return
-    first: dict[int, str] = {}
-    ties = []  # (alias name, first name)
-    for n, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            ties.append((n, first[id(p)]))
-        first.setdefault(id(p), n)
-    module.to_empty(device=device or "cpu")  # gives every alias its own storage: re-tie below
-    for alias, name in ties:
-        owner, _, attr = alias.rpartition(".")
-        setattr(module.get_submodule(owner), attr, module.get_parameter(name))
-    _rebuild_buffers(module)
-
-
-def _rebuild_buffers(module: nn.Module) -> None:
-    persistent = set(module.state_dict(keep_vars=True))
-    rebuilt = set()
-    if isinstance(module, DecoderLM):
-        c = module.cfg
-        with torch.device(module.rotary.inv_freq.device):
-            module.rotary.inv_freq = rope_inv_freq(c.dim_per_head, c.rope_theta, c.rope_scaling)
-        rebuilt.add("rotary.inv_freq")
-    unknown = [n for n, _ in module.named_buffers() if n not in persistent and n not in rebuilt]
-    if unknown:
-        raise RuntimeError(f"{type(module).__name__}: no rule to recompute non-persistent buffers {unknown} "
-                           f"after materialising from meta; add one to loom/models/hf/load.py::_rebuild_buffers")
-
-
-def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                     select: Select | None = None) -> nn.Module:
+def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+                     ) -> nn.Module:
     """The loom module of a Hugging Face folder: built on `meta`, then filled tensor by tensor on `device`."""
     hf = read_hf_config(folder)
     cfg = config_from_hf(hf, str(folder), str(folder))
@@ -227,18 +198,7 @@ def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dty
         module = MODULES[kind_of(hf, str(folder))](cfg)
     if dtype is not None:
         module.to(dtype)
-    load_module(folder, module, select, device)
-    return module
-
-
-def make_module(cls: type[nn.Module], cfg, pretrained: bool = True) -> nn.Module:
-    """`cls(cfg)`, loaded from the Hugging Face folder `cfg.hf` when that is set and `pretrained` (built on
-    `meta` first: no random initialisation, no second copy); the `make` of loom.models.multimodal.build_model."""
-    if not (pretrained and cfg.hf):
-        return cls(cfg)
-    with torch.device("meta"):
-        module = cls(cfg)
-    load_module(cfg.hf, module)
+    load_module(folder, module, device)
     return module
 
 
