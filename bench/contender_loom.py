@@ -16,9 +16,7 @@ class LoomContender:
     def __init__(self, cfg, device: torch.device, workload) -> None:
         self.cfg, self.device, self.workload = cfg, device, workload
         self.tok = ByteTokenizer()
-        torch.manual_seed(0)
-        with torch.device(device):  # initialise on the device: no host copy of 2B parameters per rank
-            self.model = build_job_model(cfg, self.tok)
+        self.model = build_job_model(cfg, self.tok)  # on meta: setup_parallel allocates this rank's shards
         m = self.model
         self.n_params = sum(p.numel() for p in m.parameters())
         lm, vc, ac = m.language.cfg, m.vision.encoder.cfg, m.audio.encoder.cfg
@@ -30,7 +28,7 @@ class LoomContender:
             "llm_length": len,
         }
         self.counters = token_counters(m)
-        self.plan = setup_parallel(m, cfg, device)
+        self.plan = setup_parallel(m, cfg, device)  # weights drawn per name (train.seed), on the device
         self.optimizer = ModuleOptimizers(m, list(self.plan.hosted), cfg.train)
         self._computed, self._real = 0, 0
 

@@ -66,8 +66,7 @@ def main() -> None:
         "--train.grad_clip=1.0", "--data.train_size=64",
     ], world_size=world)
     tok = ByteTokenizer()
-    torch.manual_seed(0)
-    model = build_job_model(cfg, tok).to(device)
+    model = build_job_model(cfg, tok)  # on meta: setup_parallel allocates this rank's shards on the device
     plan = setup_parallel(model, cfg, device)
     optimizer = ModuleOptimizers(model, [*model.encoder_names, "language"], cfg.train)
     g = torch.Generator().manual_seed(plan.shares["language"][0])

@@ -160,3 +160,15 @@ def test_ckpt_bench_small_runs_both_modes_on_cpu(tmp_path):
     assert [r["async_save"] for r in rows] == [False, True]
     assert all(r["saved_steps"] == [2, 4] and r["checkpoint_gib"] > 0 for r in rows)
     assert (tmp_path / "async" / "step-4" / "state.json").is_file()
+
+
+def test_startup_bench_small_runs_on_two_cpu_ranks():
+    """bench/startup.py --small: the meta start-up measured on 2 ranks, one row with each rank's figures."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "bench/startup.py", "--small"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("{")))
+    assert row["start_up"] == "meta, then shards" and len(row["per_rank"]) == 2
+    assert row["max_host_peak_rss_gib"] > 0 and row["params_b"] > 0
