@@ -1,4 +1,5 @@
-"""Command line: `loom train|verify|plan [CONFIG] [--section.key=value ...]`, `loom export CHECKPOINT --hf OUT`.
+"""Command line: `loom train|verify|plan [CONFIG] [--section.key=value ...]`, `loom eval CHECKPOINT`,
+`loom export CHECKPOINT --hf OUT`.
 
 `train` and `verify` run on one process, or on every rank under `torchrun --nproc-per-node=N -m loom ...`."""
 
@@ -34,17 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("config", nargs="?", help="TOML job config")
     plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
     plan.add_argument("--png", default=None, help="where to write the picture (default: <config name>.plan.png)")
+    evaluate = sub.add_parser("eval", help="held-out metrics of a saved checkpoint on one process (generation too)")
+    evaluate.add_argument("checkpoint", help="a checkpoint folder (step-N), or a run's out_dir (its latest)")
+    evaluate.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     export = sub.add_parser("export", help="write a loom checkpoint's modules as Hugging Face folders")
-    export.add_argument("checkpoint", help="loom checkpoint folder: a sharded step-N or the gathered final/")
+    export.add_argument("checkpoint", help="a loom checkpoint folder (step-N)")
     export.add_argument("--hf", required=True, metavar="OUT_DIR",
                         help="writes OUT_DIR/language, OUT_DIR/vision, OUT_DIR/audio (config.json + model.safetensors)")
     args, extra = parser.parse_known_args(_join_space_separated(sys.argv[1:] if argv is None else argv))
     if args.command == "verify" and args.steps < 1:
         parser.error(f"--steps {args.steps}: verify needs at least one step")
+    if args.command in ("export", "eval") and extra:
+        parser.error(f"unexpected arguments {extra}")
     if args.command == "export":
-        if extra:
-            parser.error(f"unexpected arguments {extra}")
         return _export(args.checkpoint, args.hf)
+    if args.command == "eval":
+        return _eval(args.checkpoint, args.device)
     overrides = extra
     bad = [o for o in overrides if not o.startswith("--")]
     if bad:
@@ -64,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":  # the ranks parse the same verify flags
             flags = [f"--steps={args.steps}", f"--against={args.against}"]
             flags += [f"--tolerance={args.tolerance}"] if args.tolerance is not None else []
-        return launch_local(cfg.layout.world_size, [args.command, config, *flags, *overrides])
+        code = launch_local(cfg.layout.world_size, [args.command, config, *flags, *overrides])
+        if code == 0 and args.command == "train":  # generation's exact match, from the checkpoint, on one process
+            print(f"loom: loom eval {cfg.run.out_dir}", file=sys.stderr)
+            return _eval(cfg.run.out_dir, cfg.train.device)
+        return code
     return _run(args, cfg)
 
 
@@ -123,6 +133,24 @@ def _plan(cfg, args) -> int:
     stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
     png = draw_plan(topo, args.png or f"{stem}.plan.png")
     print(f"picture: {png}")
+    return 0
+
+
+def _eval(checkpoint: str, device: str) -> int:
+    from loom.checkpoint.folders import latest_checkpoint
+    from loom.checkpoint.sharded import CheckpointError
+    from loom.train.build import resolve_device
+    from loom.train.checkpoint_eval import evaluate_checkpoint
+    from loom.train.evaluate import heldout_report
+
+    try:
+        path = latest_checkpoint(checkpoint) or Path(checkpoint)  # a run's folder: the checkpoint `latest` names
+        metrics, step = evaluate_checkpoint(path, resolve_device(device))
+    except (CheckpointError, ConfigError, RuntimeError) as e:
+        print(f"loom eval: {e}", file=sys.stderr)
+        return 2
+    print(f"{path} (step {step}):")
+    print(heldout_report(metrics))
     return 0
 
 

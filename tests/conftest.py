@@ -166,3 +166,14 @@ def worlds():
     pool = WorldPool()
     yield pool
     pool.close()
+
+
+def saved_tensors(checkpoint) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """A sharded checkpoint folder's weights, whole, by one-process name, and the names of its optimizer
+    tensors (`<param>.<exp_avg|exp_avg_sq|step>`), read through loom's own checkpoint reader."""
+    from loom.checkpoint.read import CheckpointWeights
+    from loom.checkpoint.sharded import OPTIM, saved_metadata
+
+    weights = CheckpointWeights(checkpoint)
+    moments = {k[len(OPTIM):] for k in saved_metadata(checkpoint) if k.startswith(OPTIM)}
+    return {n: weights.get(n) for n in weights.names}, moments

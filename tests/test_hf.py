@@ -31,7 +31,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa:
 import loom.cli  # noqa: E402
 from loom.config import load_config  # noqa: E402
 from loom.models.attention import TokenLayout  # noqa: E402
-from loom.models.hf import HFError, HFWeights, build_pretrained, config_from_folder, export_module, load_module  # noqa: E402
+from loom.models.hf import HFWeights, build_pretrained, config_from_folder, export_module, load_module  # noqa: E402
 from loom.models.layers import rope_inv_freq  # noqa: E402
 from loom.models.llm import DecoderLM  # noqa: E402
 from loom.models.vision import VisionEncoder  # noqa: E402
@@ -300,8 +300,8 @@ def test_job_loads_hf_modules_and_exports_its_checkpoint(hf, tmp_path, capsys):
 
     trainer.train_step(trainer.batches.shard(0))
     assert not torch.equal(model.language.layers["1"].mlp.down_proj.weight, llama.model.layers[1].mlp.down_proj.weight)
-    trainer.save(tmp_path / "ckpt")
-    assert loom.cli.main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    trainer.checkpoint()
+    assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
     assert "vision.projector.linear_1.weight" in capsys.readouterr().out  # reported as not exported
 
     exported = {}

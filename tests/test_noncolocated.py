@@ -38,10 +38,10 @@ def test_noncolocated_matches_reference(worlds, name):
 
 
 def _train_and_save(out_dir: str) -> dict:
-    """Two non-colocated training steps, the final checkpoint and the held-out evaluation of `loom train`;
+    """Two non-colocated training steps, the last checkpoint and the held-out evaluation of `loom train`;
     returns this rank's own weights (whole) and, on rank 0, what the checkpoint holds."""
     import torch.distributed as dist
-    from safetensors.torch import load_file
+    from conftest import saved_tensors
 
     from loom.config import load_config
     from torch.distributed.tensor import DTensor
@@ -58,14 +58,14 @@ def _train_and_save(out_dir: str) -> dict:
     out = {"mine": mine, "modules": [n for n, _ in trainer.model.named_children()], "final": final,
            "names": trainer.weight_names, "params": [n for n, _ in trainer.model.named_parameters()]}
     if dist.get_rank() == 0:
-        out |= {"weights": load_file(f"{out_dir}/final/model.safetensors"),
-                "moments": set(load_file(f"{out_dir}/final/optimizer.safetensors"))}
+        weights, moments = saved_tensors(f"{out_dir}/step-2")
+        out |= {"weights": weights, "moments": moments}
     return out
 
 
 def test_noncolocated_run_keeps_hosted_modules_and_saves_all(worlds, tmp_path):
     """Each rank holds only its modules; the checkpoint holds every module's weights as trained on its own
-    ranks, with their optimizer moments; rank 0 (an encoder rank) reports the held-out evaluation."""
+    ranks, with their optimizer moments; no rank evaluates a gathered copy."""
     per_rank = worlds.run(3, _train_and_save, str(tmp_path), timeout=300)
     assert sorted(per_rank[0]["modules"]) == ["audio", "vision"]
     assert [r["modules"] for r in per_rank[1:]] == [["language"], ["language"]]
@@ -76,7 +76,7 @@ def test_noncolocated_run_keeps_hosted_modules_and_saves_all(worlds, tmp_path):
             if name in saved:
                 assert (saved[name] == tensor).all(), name
     assert {f"{k}.exp_avg" for r in per_rank for k in r["params"]} <= per_rank[0]["moments"]
-    assert "exact_match" in per_rank[0]["final"]
+    assert all(r["final"] == {} for r in per_rank)  # no rank evaluates a second whole model: `loom eval` does
 
 
 def _p2p_log(overrides: list[str]) -> list[tuple]:

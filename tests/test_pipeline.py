@@ -92,19 +92,20 @@ def test_pipeline_reduces_gradients_once_per_step_or_per_microbatch(worlds, grad
 
 
 def _train_and_save(out_dir: str) -> dict:
-    """Two pipelined training steps of the tied model, the final checkpoint, its Hugging Face export and the
+    """Two pipelined training steps of the tied model, the last checkpoint, its Hugging Face export and the
     held-out evaluation of `loom train`; returns this rank's own LLM weights (whole, gathered over dp) and, on
     rank 0, what the checkpoint and the export hold and what a one-process checkpoint of the model would name."""
     import json
 
     import torch.distributed as dist
+    from conftest import saved_tensors
     from safetensors.torch import load_file
 
     from loom.config import load_config
     from loom.data.tokenizer import ByteTokenizer
     from loom.models.hf.export import export_checkpoint
     from loom.train.build import build_job_model
-    from loom.checkpoint.full import OPTIMIZER_KEYS, unique_state_dict
+    from loom.checkpoint.sharded import tied_aliases
     from loom.train.trainer import Trainer
     from loom.train.verify import parameters
 
@@ -117,12 +118,13 @@ def _train_and_save(out_dir: str) -> dict:
     mine = {k: v for k, v in parameters(trainer.model).items() if k.startswith("language.")}
     if dist.get_rank() != 0:
         return {"mine": mine}
-    one_process = build_job_model(cfg, ByteTokenizer())  # what `loom train` on one process would save
-    hf = export_checkpoint(f"{out_dir}/final", f"{out_dir}/hf")["language"]
-    return {"mine": mine, "weights": load_file(f"{out_dir}/final/model.safetensors"),
-            "moments": set(load_file(f"{out_dir}/final/optimizer.safetensors")),
-            "one_process_weights": set(unique_state_dict(one_process)),
-            "one_process_moments": {f"{n}.{k}" for n, _ in one_process.named_parameters() for k in OPTIMIZER_KEYS},
+    one_process = build_job_model(cfg, ByteTokenizer())  # what `loom train` on one process would save (names)
+    hf = export_checkpoint(f"{out_dir}/step-2", f"{out_dir}/hf")["language"]
+    weights, moments = saved_tensors(f"{out_dir}/step-2")
+    return {"mine": mine, "weights": weights, "moments": moments,
+            "one_process_weights": set(one_process.state_dict()) - set(tied_aliases(one_process)),
+            "one_process_moments": {f"{n}.{k}" for n, _ in one_process.named_parameters()
+                                    for k in ("exp_avg", "exp_avg_sq", "step")},
             "hf_tensors": set(load_file(hf / "model.safetensors")),
             "hf_tied": json.loads((hf / "config.json").read_text())["tie_word_embeddings"]}
 

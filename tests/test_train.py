@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import loom.cli
-from conftest import tiny_job_overrides
+from conftest import saved_tensors, tiny_job_overrides
 from loom.config import TrainConfig, load_config
 from loom.data.batch import IGNORE_INDEX
 from loom.data.packing import pack_samples
@@ -133,11 +132,9 @@ def test_two_runs_are_bit_identical(tmp_path):
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
     assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
     assert fa == fb
-    wa, wb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
-    assert wa.keys() == wb.keys()
+    (wa, ma), (wb, mb) = saved_tensors(a / "step-5"), saved_tensors(b / "step-5")
+    assert wa.keys() == wb.keys() and ma == mb
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    oa, ob = load_file(a / "final" / "optimizer.safetensors"), load_file(b / "final" / "optimizer.safetensors")
-    assert oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in oa)
     # and training did change the weights (the comparison is not between two untouched inits)
     init = _trainer(tmp_path / "init").model.state_dict()
     assert any(not torch.equal(init[k], wa[k]) for k in wa)
@@ -164,8 +161,7 @@ def test_resume_continues_exactly(tmp_path):
         assert ra["step"] == rb["step"]
         assert rb["loss"] == ra["loss"] and rb["grad_norm"] == ra["grad_norm"]  # bit-identical on CPU
         assert rb["lr"] == ra["lr"]
-    wa = load_file(straight / "final" / "model.safetensors")
-    wb = load_file(resumed / "final" / "model.safetensors")
+    wa, wb = saved_tensors(straight / "step-6")[0], saved_tensors(resumed / "step-6")[0]
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=1e-7, msg=k)
@@ -188,8 +184,8 @@ def test_checkpoint_round_trip_keeps_tied_weights(tmp_path):
     t = _trainer(tmp_path, "--train.steps=2")
     for _ in range(2):
         t.train_step(t.batches.shard(t.step))
-    t.save(tmp_path / "ck")
-    u = _trainer(tmp_path / "u", "--train.steps=2", f"--run.resume={tmp_path / 'ck'}")
+    t.checkpoint()
+    u = _trainer(tmp_path / "u", "--train.steps=2", f"--run.resume={tmp_path / 'step-2'}")
     lang = u.model.language
     assert lang.lm_head.weight is lang.embed_tokens.weight
     for k, v in t.model.state_dict().items():
@@ -382,7 +378,7 @@ def test_cli_train_end_to_end(tmp_path, capsys):
     code = loom.cli.main(["train", "configs/tiny.toml", "--train.steps=3", "--data.heldout_size=6", f"--run.out_dir={out}",
                           "--run.tensorboard=false", "--train.eval_max_new_tokens=4"])
     assert code == 0
-    assert (out / "final" / "model.safetensors").is_file()
+    assert (out / "latest").read_text().strip() == "step-3" and not (out / "final").exists()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     heldout = [r for r in records if r["kind"] == "heldout"]
@@ -391,7 +387,7 @@ def test_cli_train_end_to_end(tmp_path, capsys):
     assert len(heldout) == 1 and heldout[0]["step"] == 3
     for key in ("exact_match", "token_accuracy", "exact_match/digits", "exact_match/shapes", "exact_match/tones"):
         assert 0.0 <= heldout[0][key] <= 1.0
-    state = json.loads((out / "final" / "state.json").read_text())
+    state = json.loads((out / "step-3" / "state.json").read_text())
     assert state["step"] == 3 and state["config"]["train"]["steps"] == 3
     assert not (out / "tensorboard").exists()
     assert "held-out" in capsys.readouterr().err
@@ -440,7 +436,7 @@ def test_module_lr_scale_and_freeze(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in t.model.vision.state_dict().items())
 
 
-def test_default_job_runs_on_four_local_ranks(tmp_path):
+def test_default_job_runs_on_four_local_ranks(tmp_path, capsys):
     """`loom train` with no CONFIG starts 4 ranks itself and trains the heterogeneous default layout."""
     out = tmp_path / "run"
     code = loom.cli.main(["train", "--train.steps=2", "--data.heldout_size=3", f"--run.out_dir={out}",
@@ -448,7 +444,8 @@ def test_default_job_runs_on_four_local_ranks(tmp_path):
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
-    assert (out / "final" / "model.safetensors").is_file()
+    assert (out / "latest").read_text().strip() == "step-2"
+    assert "exact match" in capsys.readouterr().out  # the launcher's `loom eval` of the checkpoint
 
 
 def test_module_optimizer_state_is_keyed_by_module(tmp_path):
@@ -468,3 +465,25 @@ def test_module_optimizer_state_is_keyed_by_module(tmp_path):
     assert not all(torch.equal(after[k], v) for k, v in restarted.items())  # the state matters: the check can fail
     with pytest.raises(ValueError, match="this job trains"):
         _trainer(tmp_path).optimizer.load_state_dict(state)
+
+
+def test_loom_eval_of_a_checkpoint_matches_the_run_s_own_evaluation(tmp_path, capsys):
+    """`loom eval` builds the model from the checkpoint's config and files alone and gets the held-out
+    metrics the one-process run computed on its own weights after its last step."""
+    out = tmp_path / "run"
+    final = _trainer(out, "--train.steps=3", "--data.heldout_size=6", "--train.eval_max_new_tokens=4").run()
+    assert final and "exact_match" in final
+    capsys.readouterr()
+    assert loom.cli.main(["eval", str(out), "--device=cpu"]) == 0  # a run folder: its latest checkpoint
+    report = capsys.readouterr().out
+    assert "step-3 (step 3)" in report
+    assert f"{final['exact_match']:6.1%}" in report and f"{final['token_accuracy']:6.1%}" in report
+    from loom.train.checkpoint_eval import evaluate_checkpoint
+
+    metrics, step = evaluate_checkpoint(out / "step-3", torch.device("cpu"))
+    assert step == 3 and metrics == final
+
+
+def test_loom_eval_refuses_a_folder_that_is_no_checkpoint(tmp_path, capsys):
+    assert loom.cli.main(["eval", str(tmp_path)]) == 2
+    assert "not a complete loom checkpoint" in capsys.readouterr().err

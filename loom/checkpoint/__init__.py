@@ -1,2 +1,2 @@
 """Checkpoints: sharded (every rank its shards, any layout reads them: sharded.py) in crash-safe folders
-(folders.py), and the gathered one-folder form export and one-process evaluation read (full.py)."""
+(folders.py), read one tensor at a time for export and `loom eval` (read.py)."""

@@ -10,6 +10,7 @@ from loom.data.batch import IGNORE_INDEX, gather_modality_inputs
 from loom.data.format import TokenCounter, prompt_tokens, to_sample
 from loom.data.packing import pack_samples
 from loom.data.sample import Example, Sample
+from loom.data.tasks import CHANCE
 from loom.data.tokenizer import ByteTokenizer
 from loom.models.multimodal import MultimodalModel
 
@@ -88,3 +89,21 @@ def greedy_generate(
         if all(done):
             break
     return [tok.decode(s[len(p) :]) for s, p in zip(seqs, prompts)]
+
+
+def heldout_report(metrics: dict[str, float], seconds: float | None = None) -> str:
+    """The held-out table for the console: per task, exact match against chance (when generation ran) and
+    token accuracy; the held-out loss when it was measured under the layout."""
+    when = f" after {seconds:.0f}s" if seconds is not None else ""
+    generated = "exact_match" in metrics
+    lines = [f"held-out{when} (exact match of the generated answer, chance in brackets):" if generated
+             else f"held-out{when} (teacher-forced, under the training layout):"]
+    tasks = sorted(k.split("/", 1)[1] for k in metrics if k.startswith("token_accuracy/"))
+    for task in tasks:
+        match = f"{metrics['exact_match/' + task]:6.1%}   " if generated else ""
+        chance = f"   [chance {CHANCE[task]:.1%}]" if generated else ""
+        lines.append(f"  {task:<8} {match}token accuracy {metrics['token_accuracy/' + task]:6.1%}{chance}")
+    match = f"{metrics['exact_match']:6.1%}   " if generated else ""
+    loss = f"   loss {metrics['loss']:.3f}" if "loss" in metrics else ""
+    lines.append(f"  {'all':<8} {match}token accuracy {metrics['token_accuracy']:6.1%}{loss}")
+    return "\n".join(lines)

@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from loom.config import JobConfig
 from loom.data.sample import Sample
-from loom.data.tasks import CHANCE
 from loom.distributed import CollectiveStalled, is_stalled_collective, stalled_message
 from loom.data.tokenizer import ByteTokenizer
 from loom.train.build import (
@@ -27,15 +26,8 @@ from loom.train.build import (
     token_counters,
 )
 from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
-from loom.checkpoint.full import (
-    gather_full_weights,
-    load_checkpoint,
-    save_checkpoint,
-    save_sharded_as_full,
-)
 from loom.checkpoint.sharded import begin_save, load_sharded, tied_aliases
-from loom.models.init import give_storage
-from loom.train.evaluate import evaluate
+from loom.train.evaluate import evaluate, heldout_report
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
@@ -108,19 +100,21 @@ class Trainer:
                     log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped on every rank")
                 log.progress(self.step, status, self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.step < cfg.train.steps:
-                    log.log(self.step, self.evaluate(), kind="heldout")
+                    metrics = self.evaluate()
+                    if metrics:
+                        log.log(self.step, metrics, kind="heldout")
                 if cfg.run.save_every and self.step % cfg.run.save_every == 0:
                     self.checkpoint()
             log.finish_progress()
             if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
                 self.checkpoint()  # the last step's, for run.resume = "auto"
             self.finish_save()
-            self.save(out / "final")
-            log.print(f"evaluating on {len(self.heldout)} held-out examples …")
             final = self.evaluate()
-            if final:  # under a layout only rank 0 evaluates
+            if final:
                 log.log(self.step, final, kind="heldout")
                 log.print(heldout_report(final, time.perf_counter() - t0))
+            else:
+                log.print(f"held-out metrics of this run: loom eval {out}  (one process, from its latest checkpoint)")
         except Exception as e:
             if self.plan.distributed and is_stalled_collective(e):
                 raise CollectiveStalled(stalled_message(e, f"after step {self.step}", cfg.parallel.timeout_s,
@@ -131,30 +125,13 @@ class Trainer:
         return final
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics. Under a layout, rank 0 evaluates a one-process copy of the gathered weights
-        (generation needs no collectives then) while the other ranks wait."""
-        model = self.model
-        if self.plan.distributed:
-            model = self._gathered_copy()
-            if dist.get_rank() != 0:
-                dist.barrier()
-                return {}
+        """Held-out metrics. One process: token accuracy and exact match of generated answers. Under a layout:
+        none yet — no rank builds a second whole model; `loom eval` computes them from the checkpoint."""
         examples = [self.heldout[i] for i in range(len(self.heldout))]
-        t = self.cfg.train
-        metrics = evaluate(model, examples, self.tok, self.counters, self.device, t.eval_max_new_tokens,
-                           self.cfg.model.attention)
         if self.plan.distributed:
-            dist.barrier()
-        return metrics
-
-    def _gathered_copy(self):
-        full = gather_full_weights(self.model, to_rank0=True, spread=self.plan.spread)
-        if dist.get_rank() != 0:
-            return None
-        copy = build_job_model(self.cfg, self.tok)
-        give_storage(copy, self.device)
-        copy.load_state_dict({k: v for k, v in full.items() if k in self.weight_names}, strict=False)
-        return copy
+            return {}
+        return evaluate(self.model, examples, self.tok, self.counters, self.device, self.cfg.train.eval_max_new_tokens,
+                        self.cfg.model.attention)
 
     def checkpoint(self) -> None:
         """A sharded, crash-safe checkpoint of this step in out_dir (collective: every rank calls it). Under
@@ -191,28 +168,4 @@ class Trainer:
         return not self.plan.distributed or dist.get_rank() == 0
 
     def _load(self, path: Path) -> dict:
-        if (path / "model.safetensors").is_file():  # a gathered (full) folder, e.g. final/: one process only
-            if self.plan.distributed:
-                raise ValueError(f"run.resume = {str(path)!r} is a gathered checkpoint (model.safetensors), which "
-                                 f"resumes on one process; under torchrun resume from a sharded step-N folder")
-            return load_checkpoint(path, self.model, self.optimizer)
         return load_sharded(path, self.model, self.optimizer, self.weight_aliases)
-
-    def save(self, path: Path) -> None:
-        extra = {"config": self.cfg.to_dict()}
-        if self.plan.distributed:
-            save_sharded_as_full(path, self.model, self.optimizer, self.weight_names, self.step, extra,
-                                 self.plan.spread)
-        else:
-            save_checkpoint(path, self.model, self.optimizer, self.step, extra)
-
-
-def heldout_report(metrics: dict[str, float], seconds: float) -> str:
-    lines = [f"held-out after {seconds:.0f}s (exact match of the generated answer, chance in brackets):"]
-    for key, value in sorted(metrics.items()):
-        if key.startswith("exact_match/"):
-            task = key.split("/", 1)[1]
-            lines.append(f"  {task:<8} {value:6.1%}   token accuracy {metrics['token_accuracy/' + task]:6.1%}"
-                         f"   [chance {CHANCE[task]:.1%}]")
-    lines.append(f"  {'all':<8} {metrics['exact_match']:6.1%}   token accuracy {metrics['token_accuracy']:6.1%}")
-    return "\n".join(lines)

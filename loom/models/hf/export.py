@@ -53,8 +53,7 @@ def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path | list[str]]:
-    """Writes each module of a loom checkpoint folder (sharded `step-N`, or gathered `final/`; see
-    loom/checkpoint) as `out_dir/<module>`, reading one tensor at a time. Returns the folders and the tensors
+    """Writes each module of a loom checkpoint folder (a sharded `step-N`; see loom/checkpoint) as `out_dir/<module>`, reading one tensor at a time. Returns the folders and the tensors
     not exported."""
     from loom.checkpoint.read import CheckpointWeights
     from loom.checkpoint.sharded import CheckpointError
