@@ -76,7 +76,7 @@ def test_noncolocated_run_keeps_hosted_modules_and_saves_all(worlds, tmp_path):
             if name in saved:
                 assert (saved[name] == tensor).all(), name
     assert {f"{k}.exp_avg" for r in per_rank for k in r["params"]} <= per_rank[0]["moments"]
-    assert all(r["final"] == {} for r in per_rank)  # no rank evaluates a second whole model: `loom eval` does
+    assert all(r["final"] == {} for r in per_rank)  # no forward-only pass here yet, nor a gathered copy
 
 
 def _p2p_log(overrides: list[str]) -> list[tuple]:

@@ -444,6 +444,8 @@ def test_default_job_runs_on_four_local_ranks(tmp_path, capsys):
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    heldout = [r for r in records if r["kind"] == "heldout"]  # under the layout, on every rank: no generation
+    assert len(heldout) == 1 and "token_accuracy" in heldout[0] and "exact_match" not in heldout[0]
     assert (out / "latest").read_text().strip() == "step-2"
     assert "exact match" in capsys.readouterr().out  # the launcher's `loom eval` of the checkpoint
 

@@ -28,6 +28,7 @@ from loom.train.build import (
 from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
 from loom.checkpoint.sharded import begin_save, load_sharded, tied_aliases
 from loom.train.evaluate import evaluate, heldout_report
+from loom.train.heldout import heldout_metrics
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
@@ -113,8 +114,8 @@ class Trainer:
             if final:
                 log.log(self.step, final, kind="heldout")
                 log.print(heldout_report(final, time.perf_counter() - t0))
-            else:
-                log.print(f"held-out metrics of this run: loom eval {out}  (one process, from its latest checkpoint)")
+            if "exact_match" not in final:
+                log.print(f"exact match of generated answers: loom eval {out}")
         except Exception as e:
             if self.plan.distributed and is_stalled_collective(e):
                 raise CollectiveStalled(stalled_message(e, f"after step {self.step}", cfg.parallel.timeout_s,
@@ -125,11 +126,13 @@ class Trainer:
         return final
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics. One process: token accuracy and exact match of generated answers. Under a layout:
-        none yet — no rank builds a second whole model; `loom eval` computes them from the checkpoint."""
+        """Held-out metrics, the same on every rank. One process: token accuracy and exact match of generated
+        answers. Under a layout: loss and token accuracy from a forward-only pass under the layout
+        (train/heldout.py; none yet with a pipelined LLM or non-colocated encoders) — no rank builds a second
+        model; exact match is `loom eval`'s, from the checkpoint."""
         examples = [self.heldout[i] for i in range(len(self.heldout))]
         if self.plan.distributed:
-            return {}
+            return heldout_metrics(self.plan, self.model, examples, self.cfg, self.tok, self.counters, self.device)
         return evaluate(self.model, examples, self.tok, self.counters, self.device, self.cfg.train.eval_max_new_tokens,
                         self.cfg.model.attention)
 

@@ -1,0 +1,109 @@
+"""Held-out loss and token accuracy under the training layout: a forward-only pass on every rank.
+
+The held-out examples are cut, task by task, into global batches of `train.global_batch_size`, and each is
+planned exactly as a training step (train/inputs.py) and run forward through the same `forward` as
+`train_step` — encoders, bridges, CP sharding, TP's vocab-sharded logits — with no backward and no optimizer.
+Each LLM rank at tp 0 adds its summed token loss and correct predictions to one world sum, as the training
+loss is summed; the supervised-token counts come from host data. So every rank returns the same metrics, and
+they equal the one-process ones on the same weights (tests/test_heldout.py); no rank builds a second model.
+
+Supported under colocated, unpipelined layouts; a pipelined LLM or non-colocated encoders get no metrics
+here yet (`loom eval` of the checkpoint computes them after training).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from loom.data.batch import IGNORE_INDEX
+from loom.data.format import TokenCounter, to_sample
+from loom.data.sample import Example
+from loom.data.tokenizer import ByteTokenizer
+from loom.models.multimodal import MultimodalModel
+from loom.parallel.context import shard_for_context
+from loom.train.inputs import StepInputs, plan_inputs
+from loom.train.loss import token_loss_sum
+from loom.train.optim import reduce_values
+from loom.train.step import StepComms, forward
+
+
+def predicted_hits(logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """How many supervised tokens the logits' argmax predicts right. Vocab-sharded logits (a DTensor under
+    loss parallel) are not gathered: each tp rank's best (value, vocab index) is exchanged and the best kept,
+    the lowest index on a tie, as torch.argmax picks."""
+    supervised = labels != IGNORE_INDEX
+    if not isinstance(logits, DTensor):
+        return ((logits.argmax(-1) == labels) & supervised).sum()
+    local = logits.to_local().float()
+    best, index = local.max(-1)
+    index = index + dist.get_rank(tp_group) * local.shape[-1]  # ColwiseParallel: equal vocab chunks, rank order
+    size = dist.get_world_size(tp_group)
+    values, indices = [torch.empty_like(best) for _ in range(size)], [torch.empty_like(index) for _ in range(size)]
+    dist.all_gather(values, best, group=tp_group)
+    dist.all_gather(indices, index, group=tp_group)
+    winner = torch.stack(values).argmax(0)  # first maximum: the lowest tp rank, so the lowest vocab index
+    predicted = torch.stack(indices).gather(0, winner.unsqueeze(0)).squeeze(0)
+    return ((predicted == labels) & supervised).sum()
+
+
+@torch.no_grad()
+def heldout_step(model: MultimodalModel, inputs: StepInputs, comms: StepComms, bridges: dict | None,
+                 tp_group: dist.ProcessGroup | None, autocast=contextlib.nullcontext) -> tuple[float, float]:
+    """(summed token loss, correct predictions) of one global batch: this rank's part of them (the world's
+    sum under a layout, taken by the caller)."""
+    loss, hits = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    for micro in inputs.microbatches:
+        batch, selectors = micro.llm, None
+        if comms.cp_group is not None:
+            batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
+        with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
+            with autocast():
+                logits = forward(model, micro, batch, bridges, selectors)
+            part = token_loss_sum(logits, batch.labels)
+        loss = loss + (part.to_local() if isinstance(part, DTensor) else part).detach().cpu()
+        hits = hits + predicted_hits(logits, batch.labels, tp_group).cpu()
+    return float(loss), float(hits)
+
+
+def heldout_metrics(plan, model: MultimodalModel, examples: list[Example], cfg, tok: ByteTokenizer,
+                    counters: dict[str, TokenCounter], device: torch.device) -> dict[str, float]:
+    """`loss`, `token_accuracy` and each task's (`loss/<task>`, `token_accuracy/<task>`), teacher-forced, on
+    every rank alike; {} where the layout has no forward-only pass yet (see the module docstring)."""
+    if plan.pipeline is not None or (plan.topo is not None and not plan.topo.placement.colocated):
+        return {}
+    tp_group = None
+    if plan.distributed and plan.topo.grids["language"].layout.tp > 1:
+        tp_group = plan.topo.grids["language"].group("tp")
+    was_training = model.training
+    model.eval()
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # task → loss, hits, supervised
+    by_task: dict[str, list[Example]] = defaultdict(list)
+    for e in examples:
+        by_task[e.task].append(e)
+    size = cfg.train.global_batch_size
+    for task, chunk_of in sorted(by_task.items()):
+        for start in range(0, len(chunk_of), size):
+            samples = [to_sample(e, tok, counters) for e in chunk_of[start:start + size]]
+            inputs = plan_inputs(samples, list(range(len(samples))), cfg, tok, counters, plan.shares,
+                                 plan.sample_multiple, device)
+            loss, hits = heldout_step(model, inputs, plan.comms, plan.bridges or None, tp_group,
+                                      plan.autocast(cfg.train.dtype, device))
+            if plan.distributed:
+                loss, hits = reduce_values([loss, hits] if plan.comms.adds_loss else [0.0, 0.0], dist.ReduceOp.SUM,
+                                           None)
+            sums[task][0] += loss
+            sums[task][1] += hits
+            sums[task][2] += inputs.supervised
+    model.train(was_training)
+    out = {}
+    for task, (loss, hits, supervised) in sums.items():
+        out[f"loss/{task}"], out[f"token_accuracy/{task}"] = loss / supervised, hits / supervised
+    total = [sum(v[i] for v in sums.values()) for i in range(3)]
+    out["loss"], out["token_accuracy"] = total[0] / max(1, total[2]), total[1] / max(1, total[2])
+    return out
