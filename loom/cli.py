@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
             flags += [f"--tolerance={args.tolerance}"] if args.tolerance is not None else []
         code = launch_local(cfg.layout.world_size, [args.command, config, *flags, *overrides])
         if code == 0 and args.command == "train":  # generation's exact match, from the checkpoint, on one process
-            print(f"loom: loom eval {cfg.run.out_dir}", file=sys.stderr)
             return _eval(cfg.run.out_dir, cfg.train.device)
         return code
     return _run(args, cfg)

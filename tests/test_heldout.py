@@ -14,6 +14,8 @@ LAYOUTS = {
     "vision-tp2-llm-cp2": ["--layout.vision.tp=2", "--layout.language.cp=2"],
     "llm-tp2-sp-loss-parallel": ["--layout.language.tp=2", "--layout.language.sequence_parallel=true",
                                  "--data.pad_to_multiple=2"],
+    "encoders-dp4-llm-pp2xdp2-1f1b": ["--layout.language.pp=2", "--parallel.pp_schedule=1f1b",
+                                      "--train.microbatches=2", "--data.tokens_per_microbatch=512"],
 }
 
 
@@ -67,7 +69,9 @@ def _heldout_under_layout(overrides: list[str]) -> dict:
     examples = [heldout[i] for i in range(len(heldout))]
     mine = heldout_metrics(plan, model, examples, cfg, tok, counters, torch.device("cpu"))
     materialize(reference, torch.device("cpu"), weights)
-    reference.load_state_dict(parameters(model), strict=False)  # the layout's weights, whole
+    held = [None] * dist.get_world_size()  # a pipelined LLM: each rank holds its stages' weights
+    dist.all_gather_object(held, parameters(model))
+    reference.load_state_dict({k: v for h in held for k, v in h.items()}, strict=False)  # the layout's, whole
     return {"layout": mine, "one_process": _one_process_metrics(reference, examples, tok, counters)}
 
 

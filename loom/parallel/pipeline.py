@@ -309,3 +309,16 @@ class Pipeline:
         if self.tied is not None:
             self.tied.sum_grads()
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
+
+    def evaluate(self, ids: list[torch.Tensor], rows: list[MicrobatchData], token_loss) -> torch.Tensor:
+        """Forward only (the schedule's `eval`): this rank's summed token losses, 0 off the last stage."""
+        if self.schedule is None:
+            self._build(ids[0])
+        self.table.rows, self.table.divisor, self.table.token_loss = rows, 1, token_loss
+        mb = torch.arange(self.microbatches)
+        losses: list[torch.Tensor] = []
+        try:
+            self.schedule.eval(torch.cat(ids), target=mb, losses=losses, mb=mb, return_outputs=False)
+        finally:
+            self.table.rows = []
+        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)

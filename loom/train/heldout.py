@@ -7,8 +7,9 @@ Each LLM rank at tp 0 adds its summed token loss and correct predictions to one 
 loss is summed; the supervised-token counts come from host data. So every rank returns the same metrics, and
 they equal the one-process ones on the same weights (tests/test_heldout.py); no rank builds a second model.
 
-Supported under colocated, unpipelined layouts; a pipelined LLM or non-colocated encoders get no metrics
-here yet (`loom eval` of the checkpoint computes them after training).
+A pipelined LLM runs the three-phase step's first two phases with the schedule's `eval()` (the last stage
+scores each microbatch). Non-colocated encoders get no metrics here yet (`loom eval` of the checkpoint
+computes them after training).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from loom.parallel.context import shard_for_context
 from loom.train.inputs import StepInputs, plan_inputs
 from loom.train.loss import token_loss_sum
 from loom.train.optim import reduce_values
+from loom.train.pipeline_step import schedule_inputs, stage0_inserts
 from loom.train.step import StepComms, forward
 
 
@@ -71,11 +73,33 @@ def heldout_step(model: MultimodalModel, inputs: StepInputs, comms: StepComms, b
     return float(loss), float(hits)
 
 
+@torch.no_grad()
+def pipelined_heldout_step(model: MultimodalModel, inputs: StepInputs, comms: StepComms, pipeline,
+                           bridges: dict, tp_group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """`heldout_step` with a pipelined LLM: the three-phase step's first two phases, the schedule run
+    forward only; the last stage scores each microbatch."""
+    micro = inputs.microbatches
+    rows = {}
+    for name in model.encoder_names:
+        encoded = model.encoder(name)([item for mb in micro for item in mb.encoder_items.get(name, [])])
+        rows[name] = bridges[name].forward(encoded, [mb.rows[name] for mb in micro])
+    ids, data = schedule_inputs(model, micro, comms, stage0_inserts(model, micro, rows, pipeline.first))
+    hits = []
+
+    def scored(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hits.append(predicted_hits(logits, labels, tp_group).cpu())
+        return token_loss_sum(logits, labels)
+
+    with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
+        loss = pipeline.evaluate(ids, data, scored)
+    return float(loss), float(sum(hits)) if hits else 0.0
+
+
 def heldout_metrics(plan, model: MultimodalModel, examples: list[Example], cfg, tok: ByteTokenizer,
                     counters: dict[str, TokenCounter], device: torch.device) -> dict[str, float]:
     """`loss`, `token_accuracy` and each task's (`loss/<task>`, `token_accuracy/<task>`), teacher-forced, on
     every rank alike; {} where the layout has no forward-only pass yet (see the module docstring)."""
-    if plan.pipeline is not None or (plan.topo is not None and not plan.topo.placement.colocated):
+    if plan.topo is not None and not plan.topo.placement.colocated:
         return {}
     tp_group = None
     if plan.distributed and plan.topo.grids["language"].layout.tp > 1:
@@ -92,8 +116,11 @@ def heldout_metrics(plan, model: MultimodalModel, examples: list[Example], cfg, 
             samples = [to_sample(e, tok, counters) for e in chunk_of[start:start + size]]
             inputs = plan_inputs(samples, list(range(len(samples))), cfg, tok, counters, plan.shares,
                                  plan.sample_multiple, device)
-            loss, hits = heldout_step(model, inputs, plan.comms, plan.bridges or None, tp_group,
-                                      plan.autocast(cfg.train.dtype, device))
+            if plan.pipeline is not None:
+                loss, hits = pipelined_heldout_step(model, inputs, plan.comms, plan.pipeline, plan.bridges, tp_group)
+            else:
+                loss, hits = heldout_step(model, inputs, plan.comms, plan.bridges or None, tp_group,
+                                          plan.autocast(cfg.train.dtype, device))
             if plan.distributed:
                 loss, hits = reduce_values([loss, hits] if plan.comms.adds_loss else [0.0, 0.0], dist.ReduceOp.SUM,
                                            None)

@@ -50,18 +50,7 @@ def pipelined_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, 
         rows[name] = None if delivered is None else delivered.requires_grad_()
 
     # phase 2: the LLM's schedule over the microbatches
-    taken = dict.fromkeys(rows, 0)
-
-    def inserts(i: int, selectors: dict | None) -> dict:
-        if not pipeline.first:
-            return {}
-        llm, mine = micro[i].llm, {}
-        for name, r in rows.items():
-            n = llm.count(model.placeholder_ids[name])
-            mine[name] = r[taken[name] : taken[name] + n]
-            taken[name] += n
-        return llm_inserts(model, llm, mine, selectors)
-
+    inserts = stage0_inserts(model, micro, rows, pipeline.first)
     ids, data = schedule_inputs(model, micro, comms, inserts)
     with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
         loss = pipeline.run(ids, data, n_tokens, loss_function(cfg.compile, comms.loss_parallel))
@@ -73,6 +62,25 @@ def pipelined_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, 
         encoded[name].backward(bridges[name].backward(grad, [mb.rows[name] for mb in micro], encoded[name]))
 
     return finish_step(model, optimizer, float(loss), lr, cfg, comms, inspect_grads)
+
+
+def stage0_inserts(model: MultimodalModel, micro: list[StepBatch], rows: dict[str, torch.Tensor | None],
+                   first: bool) -> Callable[[int, dict | None], dict]:
+    """`inserts(i, selectors)` for `schedule_inputs`: microbatch i's slice of each encoder's delivered rows
+    (they arrive in microbatch order), on the rank running stage 0; nothing elsewhere."""
+    taken = dict.fromkeys(rows, 0)
+
+    def inserts(i: int, selectors: dict | None) -> dict:
+        if not first:
+            return {}
+        llm, mine = micro[i].llm, {}
+        for name, r in rows.items():
+            n = llm.count(model.placeholder_ids[name])
+            mine[name] = r[taken[name] : taken[name] + n]
+            taken[name] += n
+        return llm_inserts(model, llm, mine, selectors)
+
+    return inserts
 
 
 def schedule_inputs(model: MultimodalModel, micro: list[StepBatch], comms: StepComms,
