@@ -10,12 +10,17 @@ from conftest import tiny_job_overrides
 
 from loom.config import load_config
 
+NONCOLOCATED = ["--layout.vision.ranks=0-1", "--layout.audio.ranks=0-1", "--layout.language.ranks=2-3",
+                "--train.microbatches=2", "--data.tokens_per_microbatch=512"]
 LAYOUTS = {
     "vision-tp2-llm-cp2": ["--layout.vision.tp=2", "--layout.language.cp=2"],
     "llm-tp2-sp-loss-parallel": ["--layout.language.tp=2", "--layout.language.sequence_parallel=true",
                                  "--data.pad_to_multiple=2"],
     "encoders-dp4-llm-pp2xdp2-1f1b": ["--layout.language.pp=2", "--parallel.pp_schedule=1f1b",
                                       "--train.microbatches=2", "--data.tokens_per_microbatch=512"],
+    # non-colocated: encoders on ranks 0-1 (fan-in), the LLM on 2-3, cp2 receiving; then pipelined
+    "noncolocated-llm-cp2": NONCOLOCATED + ["--layout.language.cp=2"],
+    "noncolocated-llm-pp2": NONCOLOCATED + ["--layout.language.pp=2", "--parallel.pp_schedule=1f1b"],
 }
 
 

@@ -314,6 +314,8 @@ class Pipeline:
         """Forward only (the schedule's `eval`): this rank's summed token losses, 0 off the last stage."""
         if self.schedule is None:
             self._build(ids[0])
+        for stage in self.stages:  # eval's schedule still visits the backward slots, which skip: no hook
+            stage.after_backward = None
         self.table.rows, self.table.divisor, self.table.token_loss = rows, 1, token_loss
         mb = torch.arange(self.microbatches)
         losses: list[torch.Tensor] = []
