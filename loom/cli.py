@@ -92,7 +92,9 @@ def _run(args, cfg) -> int:
     from loom.distributed import CollectiveStalled, init_distributed, launched_world_size, shutdown
 
     # under torchrun the rank's device follows the backend; one process honours train.device
-    device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s) if launched_world_size() > 1 else None
+    device = None
+    if launched_world_size() > 1:
+        device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, Path(cfg.run.out_dir) / "nccl-traces")
     try:
         if args.command == "verify":
             from loom.train.verify import ReferenceNotFinite, VerifyUsageError, verify

@@ -16,10 +16,21 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(backend: str = "auto", timeout_s: int = 600) -> torch.device:
+def flight_recorder_env(trace_dir: str | os.PathLike) -> dict[str, str]:
+    """NCCL's flight recorder: each rank keeps its last 2000 collectives and, when one times out, writes them
+    to `trace_dir/nccl-trace-rank-R` (read them with `python -m torch.distributed.flight_recorder.fr_trace
+    DIR`: which rank is behind on which collective)."""
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.fspath(trace_dir), "nccl-trace-rank-")}
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 600, trace_dir: str | os.PathLike | None = None
+                     ) -> torch.device:
     """Initialises the default process group when launched by torchrun (WORLD_SIZE > 1) and returns this
     rank's device: NCCL + its own GPU (LOCAL_RANK: one per process on each machine) when CUDA is present,
-    gloo + CPU otherwise. A collective that does not complete in `timeout_s` raises instead of hanging."""
+    gloo + CPU otherwise. A collective that does not complete in `timeout_s` raises instead of hanging; on
+    NCCL the flight recorder dumps every rank's recent collectives to `trace_dir` then (variables the user
+    set win)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     use_cuda = torch.cuda.is_available() and backend != "gloo"
@@ -29,6 +40,10 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> torch.devic
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        if trace_dir is not None:  # read when the NCCL process group is created, so set before it
+            os.makedirs(trace_dir, exist_ok=True)
+            for key, value in flight_recorder_env(trace_dir).items():
+                os.environ.setdefault(key, value)
     # DTensor warns that a norm over (dp, tp) takes two all-reduces; true, and cheap at the sizes that do it
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if launched_world_size() > 1 and not dist.is_initialized():
@@ -67,5 +82,8 @@ def stalled_message(error: BaseException, where: str, timeout_s: int, health_gro
         except RuntimeError as e:  # rank 0: "Ranks 1, 3 failed to pass monitoredBarrier in …"
             unanswered = f" {str(e).strip()}."
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if dist.get_backend() == "nccl" and os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")
+        unanswered += f" NCCL's flight recorder writes each rank's last collectives to {prefix}R."
     return (f"loom: rank {dist.get_rank()}: {where}: a collective did not complete within parallel.timeout_s = "
             f"{timeout_s} s: a rank stopped or is stuck.{unanswered} ({first_line})")

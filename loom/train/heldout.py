@@ -47,7 +47,7 @@ def predicted_hits(logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.Pr
         return ((logits.argmax(-1) == labels) & supervised).sum()
     local = logits.to_local().float()
     best, index = local.max(-1)
-    index = index + dist.get_rank(tp_group) * local.shape[-1]  # ColwiseParallel: equal vocab chunks, rank order
+    index = index + dist.get_rank(tp_group) * local.shape[-1]  # equal vocab chunks in rank order (tp divides vocab)
     size = dist.get_world_size(tp_group)
     values, indices = [torch.empty_like(best) for _ in range(size)], [torch.empty_like(index) for _ in range(size)]
     dist.all_gather(values, best, group=tp_group)
