@@ -96,7 +96,7 @@ class ModuleLayoutConfig:
     cp: int = 1
     pp: int = 1
     dp: int = 0
-    ranks: str = ""  # "first-last"; empty: the language model's ranks (colocated), for it the whole world
+    ranks: str | int = ""  # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for it the whole world
     sequence_parallel: bool = False  # language only: shard the residual stream's tokens over tp
 
 

@@ -53,6 +53,16 @@ def test_parse_ranks():
     assert parse_ranks("0-3", 8, "k") == range(0, 4)
     assert parse_ranks("5", 8, "k") == range(5, 6)
     assert parse_ranks("", 8, "k") == range(8)
+    assert parse_ranks(5, 8, "k") == range(5, 6)  # TOML `ranks = 5`: one rank
+
+
+def test_a_module_on_one_rank_written_as_a_toml_integer(tmp_path):
+    """`ranks = 0` (a TOML integer, rank 0 included: not read as "unset") puts the encoders on rank 0 alone."""
+    toml = tmp_path / "job.toml"
+    toml.write_text("[layout.vision]\nranks = 0\n[layout.audio]\nranks = 0\n[layout.language]\nranks = \"1-2\"\n")
+    topo = Topology.plan(load_config(toml), 3)
+    assert topo.placement.kind == "non-colocated"
+    assert degrees(topo, "vision") == (1, 1, 1, 1, range(0, 1)) and degrees(topo, "language")[4] == range(1, 3)
 
 
 INVALID = [

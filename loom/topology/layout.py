@@ -55,8 +55,9 @@ class Placement:
         return "colocated" if self.colocated else "non-colocated"
 
 
-def parse_ranks(text: str, world_size: int, key: str) -> range:
-    """'0-3' → range(0, 4); '5' → range(5, 6); '' → the whole world."""
+def parse_ranks(text: str | int, world_size: int, key: str) -> range:
+    """'0-3' → range(0, 4); '5' or 5 → range(5, 6); '' → the whole world."""
+    text = str(text)
     if not text.strip():
         return range(world_size)
     try:
@@ -88,7 +89,7 @@ def resolve_placement(cfg: JobConfig, world_size: int) -> Placement:
         mc = getattr(cfg.layout, name)
         # an encoder not listed shares the LLM's ranks with data parallelism only
         mc = mc or (ModuleLayoutConfig() if name != "language" else lang_cfg)
-        ranks = parse_ranks(mc.ranks, world_size, f"layout.{name}.ranks") if mc.ranks else lang_ranks
+        ranks = parse_ranks(mc.ranks, world_size, f"layout.{name}.ranks") if mc.ranks != "" else lang_ranks
         layouts[name] = _resolve_one(name, mc, ranks)
     _check_placement(layouts, world_size)
     return Placement(world_size, layouts)
