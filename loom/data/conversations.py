@@ -1,0 +1,151 @@
+"""A user's own data: JSONL files of conversations in the chat format of Hugging Face multimodal processors.
+
+One conversation per line:
+
+    {"messages": [{"role": "user", "content": [{"type": "image", "path": "img/1.jpg"},
+                                               {"type": "text", "text": "What is this?"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+
+`content` may also be a plain string (one text part); `{"type": "audio", "path": "a.wav"}` adds a clip.
+Paths are relative to the JSONL file. A file is indexed once (the byte offset of every non-blank line) and
+a line is parsed and checked only when read, so a large file costs no memory up front; every problem is a
+`BadSample` naming file:line, the same on every rank (they all read the same bytes).
+
+Several files mix by weight (`blend`): position j of the mixture takes the source furthest below its share
+so far, so the mixture is a function of the weights alone — every layout and every resume sees the same one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = ("system", "user", "assistant")
+KINDS = ("text", "image", "audio")
+
+
+class BadSample(ValueError):
+    """A line that cannot be a training sample; the message starts with its file:line."""
+
+
+@dataclass(frozen=True)
+class Part:
+    kind: str  # "text", "image" or "audio"
+    text: str = ""  # a text part's text
+    path: Path | None = None  # an image's or a clip's file, resolved against the JSONL's folder
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    turns: tuple[Turn, ...]
+    where: str  # "file:line", for every later message about this sample
+
+    def media(self, kind: str) -> list[Path]:
+        """The files of one kind ("image" or "audio") in conversation order."""
+        return [p.path for t in self.turns for p in t.parts if p.kind == kind]
+
+
+def parse_conversation(line: str, where: str, base: Path) -> Conversation:
+    """One JSONL line → a checked Conversation; raises BadSample naming `where` and the problem."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadSample(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise BadSample(f"{where}: a line must be an object with a non-empty \"messages\" list")
+    turns = tuple(_turn(m, f"{where}: messages[{i}]", base) for i, m in enumerate(messages))
+    if not any(t.role == "assistant" and t.parts for t in turns):
+        raise BadSample(f"{where}: no assistant turn: nothing to learn from this conversation")
+    return Conversation(turns, where)
+
+
+def _turn(message, where: str, base: Path) -> Turn:
+    if not isinstance(message, dict):
+        raise BadSample(f"{where}: a message must be an object with \"role\" and \"content\"")
+    role = message.get("role")
+    if role not in ROLES:
+        raise BadSample(f"{where}: unknown role {role!r}; roles are {list(ROLES)}")
+    content = message.get("content")
+    if isinstance(content, str):
+        return Turn(role, (Part("text", text=content),))
+    if not isinstance(content, list):
+        raise BadSample(f"{where}: \"content\" must be a string or a list of parts")
+    return Turn(role, tuple(_part(p, f"{where}.content[{j}]", base) for j, p in enumerate(content)))
+
+
+def _part(part, where: str, base: Path) -> Part:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in KINDS:
+        raise BadSample(f"{where}: unknown part type {kind!r}; types are {list(KINDS)}")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise BadSample(f"{where}: a text part needs a \"text\" string")
+        return Part("text", text=part["text"])
+    if not isinstance(part.get("path"), str):
+        raise BadSample(f"{where}: an {kind} part needs a \"path\" string (relative to the JSONL file)")
+    path = (base / part["path"]).resolve()
+    if not path.is_file():
+        raise BadSample(f"{where}: {kind} file {part['path']!r} not found (looked at {path})")
+    return Part(kind, path=path)
+
+
+class ConversationFile:
+    """The conversations of one JSONL file, by index (blank lines are not conversations)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"data source {str(self.path)!r} does not exist")
+        self._offsets: list[int] = []
+        self._lines: list[int] = []  # 1-based line number of each conversation
+        with open(self.path, "rb") as f:
+            offset = 0
+            for number, raw in enumerate(f, start=1):
+                if raw.strip():
+                    self._offsets.append(offset)
+                    self._lines.append(number)
+                offset += len(raw)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{self._lines[i]}"
+
+    def __getitem__(self, i: int) -> Conversation:
+        with open(self.path, "rb") as f:
+            f.seek(self._offsets[i])
+            raw = f.readline()
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadSample(f"{self.where(i)}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        return parse_conversation(line, self.where(i), self.path.parent)
+
+
+def blend(sizes: list[int], weights: list[float], length: int) -> list[tuple[int, int]]:
+    """`length` positions of a weighted mixture: (source, index within it). Position j goes to the source
+    furthest below its share of the first j + 1 positions (the first such on a tie); each source is read in
+    order and wraps around when used up."""
+    if len(sizes) != len(weights) or not sizes:
+        raise ValueError(f"{len(sizes)} sources but {len(weights)} weights")
+    bad = [i for i, (n, w) in enumerate(zip(sizes, weights)) if n <= 0 or not w > 0]
+    if bad:
+        raise ValueError(f"sources {bad}: every source needs ≥ 1 conversation and a weight > 0")
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    taken = [0] * len(sizes)
+    out = []
+    for j in range(length):
+        s = max(range(len(sizes)), key=lambda k: shares[k] * (j + 1) - taken[k])
+        out.append((s, taken[s] % sizes[s]))
+        taken[s] += 1
+    return out
