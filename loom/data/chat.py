@@ -1,0 +1,114 @@
+"""A Hugging Face tokenizer folder and its chat template turning a Conversation into training tokens.
+
+The folder holds `tokenizer.json` (read with `tokenizers`) and the chat template (`tokenizer_config.json`'s
+`chat_template`, or `chat_template.jinja`), rendered in jinja2's immutable sandbox as transformers does — the
+template is text from the folder, so it must not run arbitrary code.
+
+Media: each image or clip is written into its turn's text as the modality's placeholder token (e.g.
+`<|image_pad|>`), so any template renders it, then the one placeholder becomes as many as the encoder emits
+rows for that item. A placeholder missing from the vocabulary is added (`added`: the model's embedding must
+grow by as many rows).
+
+Loss mask: only assistant turns are targets. Each assistant turn's text is found by rendering the
+conversation up to it twice — with the generation prompt before it, and with it — so the difference is
+exactly what the model must produce (its content and the template's end-of-turn text); a token is supervised
+when its characters lie inside such a span.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer
+
+from loom.data.conversations import BadSample, Conversation
+
+PLACEHOLDERS = {"image": "<|image_pad|>", "audio": "<|audio_pad|>"}
+
+
+def _token_text(value) -> str:
+    """bos/eos in tokenizer_config.json: a string, or an AddedToken dict with "content"."""
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+
+class ChatTokenizer:
+    def __init__(self, folder: str | Path, placeholders: dict[str, str] | None = None) -> None:
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder}: no tokenizer.json (a Hugging Face fast-tokenizer folder)")
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if not template and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"{folder}: no chat template (tokenizer_config.json \"chat_template\" or "
+                             f"chat_template.jinja); loom renders conversations with it")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # transformers' settings
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(template)
+        self.specials = {"bos_token": _token_text(config.get("bos_token")),
+                         "eos_token": _token_text(config.get("eos_token"))}
+        self.placeholders = dict(PLACEHOLDERS if placeholders is None else placeholders)
+        missing = [t for t in self.placeholders.values() if self.tokenizer.token_to_id(t) is None]
+        if missing:
+            self.tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        self.added = missing  # new vocabulary entries: the LLM's embedding grows by len(added) rows
+        self.placeholder_ids = {kind: self.tokenizer.token_to_id(t) for kind, t in self.placeholders.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    **self.specials)
+
+    def messages(self, conv: Conversation) -> list[dict]:
+        """The conversation as the template reads it: each turn's text, media as placeholder tokens."""
+        return [{"role": t.role, "content": "".join(p.text if p.kind == "text" else self.placeholders[p.kind]
+                                                    for p in t.parts)} for t in conv.turns]
+
+    def encode(self, conv: Conversation, rows: dict[str, list[int]]) -> tuple[list[int], list[bool]]:
+        """Token ids and which are targets; `rows[kind][i]`: how many rows the encoder emits for the i-th item
+        of that kind, each item's placeholder repeated that many times."""
+        messages = self.messages(conv)
+        text = self.render(messages, add_generation_prompt=False)
+        spans = []
+        for k, turn in enumerate(messages):
+            if turn["role"] != "assistant":
+                continue
+            before = self.render(messages[:k], add_generation_prompt=True)
+            upto = self.render(messages[: k + 1], add_generation_prompt=False)
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise BadSample(f"{conv.where}: the chat template does not render this conversation turn by "
+                                f"turn (turn {k} changes the text before it), so the assistant's tokens cannot "
+                                f"be told apart")
+            spans.append((len(before), len(upto)))
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids, targets = [], []
+        taken = dict.fromkeys(rows, 0)
+        kind_of = {i: kind for kind, i in self.placeholder_ids.items()}
+        for token, (start, end) in zip(encoding.ids, encoding.offsets):
+            kind = kind_of.get(token)
+            if kind is not None:
+                if taken.get(kind, 0) >= len(rows.get(kind, [])):
+                    raise BadSample(f"{conv.where}: more {self.placeholders[kind]} placeholders than {kind} items")
+                n = rows[kind][taken[kind]]
+                taken[kind] += 1
+                ids += [token] * n
+                targets += [False] * n
+                continue
+            ids.append(token)
+            targets.append(any(a <= start and end <= b for a, b in spans) and end > start)
+        unused = {k: len(v) - taken.get(k, 0) for k, v in rows.items() if len(v) != taken.get(k, 0)}
+        if unused:
+            raise BadSample(f"{conv.where}: {unused} media items have no placeholder in the rendered text")
+        return ids, targets
+
+
+def _raise(message: str):
+    raise ValueError(f"chat template: {message}")
