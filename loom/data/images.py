@@ -1,0 +1,70 @@
+"""Image files → the vision encoder's input: decoded with Pillow, resized to whole patches, normalised.
+
+The size keeps the aspect ratio: each side is rounded to a multiple of the patch size, and the whole image is
+scaled down (or up) until its pixel count lies within [min_pixels, max_pixels] — the rule Qwen2-VL's
+processor uses, so an image costs tokens in proportion to its area and no image is padded. Mean and std come
+from the encoder folder's `preprocessor_config.json` when there is one (SigLIP: 0.5, 0.5), else 0.5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+
+@dataclass(frozen=True)
+class ImageRule:
+    patch: int
+    min_pixels: int
+    max_pixels: int
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @staticmethod
+    def of(patch: int, min_pixels: int, max_pixels: int, folder: str | Path | None = None) -> ImageRule:
+        """With the mean and std of `folder`'s preprocessor_config.json, when it has one."""
+        mean = std = (0.5, 0.5, 0.5)
+        config = Path(folder) / "preprocessor_config.json" if folder else None
+        if config is not None and config.is_file():
+            data = json.loads(config.read_text())
+            mean, std = tuple(data.get("image_mean", mean)), tuple(data.get("image_std", std))
+        if not patch * patch <= min_pixels <= max_pixels:
+            raise ValueError(f"image pixels: need patch² ({patch * patch}) ≤ min_pixels ({min_pixels}) ≤ "
+                             f"max_pixels ({max_pixels})")
+        return ImageRule(patch, min_pixels, max_pixels, mean, std)
+
+
+def target_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
+    """(H, W): multiples of the patch, the aspect ratio kept, H·W within [min_pixels, max_pixels]."""
+    p = rule.patch
+    h, w = max(p, round(height / p) * p), max(p, round(width / p) * p)
+    if h * w > rule.max_pixels:
+        beta = math.sqrt(height * width / rule.max_pixels)
+        h, w = max(p, math.floor(height / beta / p) * p), max(p, math.floor(width / beta / p) * p)
+        while h * w > rule.max_pixels:  # one side held at a whole patch: the other gives way
+            h, w = (h - p, w) if h >= w else (h, w - p)
+    elif h * w < rule.min_pixels:
+        beta = math.sqrt(rule.min_pixels / (height * width))
+        h, w = math.ceil(height * beta / p) * p, math.ceil(width * beta / p) * p
+    return h, w
+
+
+def load_image(path: str | Path, rule: ImageRule, where: str = "") -> torch.Tensor:
+    """[3, H, W] float32, normalised; an unreadable file is a ValueError naming `where` (file:line) and it."""
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+            h, w = target_size(img.height, img.width, rule)
+            img = img.resize((w, h), Image.Resampling.BICUBIC)
+            pixels = np.asarray(img, dtype=np.float32) / 255.0
+    except (OSError, UnidentifiedImageError) as e:
+        raise ValueError(f"{where + ': ' if where else ''}cannot decode image {str(path)!r} ({e})") from None
+    x = torch.from_numpy(pixels).permute(2, 0, 1)
+    mean, std = torch.tensor(rule.mean).view(3, 1, 1), torch.tensor(rule.std).view(3, 1, 1)
+    return (x - mean) / std
