@@ -1,0 +1,53 @@
+"""Waveforms → the audio encoder's input: Whisper's log-mel features, computed with torch.
+
+Whisper's recipe (and transformers' WhisperFeatureExtractor's, which tests/test_audio.py compares against):
+16 kHz audio, a 400-sample Hann-window STFT every 160 samples (100 frames per second, the last frame
+dropped), power spectrum through a Slaney-scale, Slaney-normalised mel filter bank, log10 clamped at 1e-10,
+floored at 8 below the clip's maximum, then (x + 4) / 4. No padding to 30 s: loom packs clips of any length.
+Decoding a file and resampling it to 16 kHz come before this (not built yet).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+SAMPLE_RATE, N_FFT, HOP = 16_000, 400, 160
+
+
+def _hz_to_mel(f: torch.Tensor) -> torch.Tensor:
+    """Slaney's scale: linear below 1 kHz, logarithmic above."""
+    log_step = math.log(6.4) / 27.0
+    return torch.where(f < 1000.0, 3.0 * f / 200.0, 15.0 + torch.log(f.clamp(min=1e-10) / 1000.0) / log_step)
+
+
+def _mel_to_hz(m: torch.Tensor) -> torch.Tensor:
+    log_step = math.log(6.4) / 27.0
+    return torch.where(m < 15.0, 200.0 * m / 3.0, 1000.0 * torch.exp(log_step * (m - 15.0)))
+
+
+@functools.lru_cache(maxsize=8)
+def mel_filters(n_mels: int) -> torch.Tensor:
+    """[n_mels, N_FFT // 2 + 1]: triangles evenly spaced in mel between 0 and 8 kHz, each scaled to unit area
+    in Hz (Slaney normalisation), in float64 for exactness."""
+    freqs = torch.linspace(0, SAMPLE_RATE / 2, N_FFT // 2 + 1, dtype=torch.float64)
+    top = _hz_to_mel(torch.tensor(SAMPLE_RATE / 2, dtype=torch.float64))
+    edges = _mel_to_hz(torch.linspace(0.0, float(top), n_mels + 2, dtype=torch.float64))
+    lower, center, upper = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    rising, falling = (freqs - lower) / (center - lower), (upper - freqs) / (upper - center)
+    triangles = torch.clamp(torch.minimum(rising, falling), min=0.0)
+    return triangles * (2.0 / (upper - lower))
+
+
+def log_mel(waveform: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
+    """[samples] at 16 kHz → [n_mels, samples // 160] float32 features."""
+    wave = waveform.to(torch.float64)
+    window = torch.hann_window(N_FFT, periodic=True, dtype=torch.float64)
+    spectrum = torch.stft(wave, N_FFT, HOP, window=window, center=True, pad_mode="reflect", return_complex=True)
+    power = spectrum[:, :-1].abs() ** 2
+    mel = mel_filters(n_mels) @ power
+    logs = torch.clamp(mel, min=1e-10).log10()
+    logs = torch.maximum(logs, logs.max() - 8.0)
+    return ((logs + 4.0) / 4.0).to(torch.float32)
