@@ -4,14 +4,18 @@ Whisper's recipe (and transformers' WhisperFeatureExtractor's, which tests/test_
 16 kHz audio, a 400-sample Hann-window STFT every 160 samples (100 frames per second, the last frame
 dropped), power spectrum through a Slaney-scale, Slaney-normalised mel filter bank, log10 clamped at 1e-10,
 floored at 8 below the clip's maximum, then (x + 4) / 4. No padding to 30 s: loom packs clips of any length.
-Decoding a file and resampling it to 16 kHz come before this (not built yet).
+`load_audio` decodes a file (soundfile: WAV, FLAC, OGG, …), averages its channels and resamples it to
+16 kHz (scipy's polyphase filter).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from fractions import Fraction
+from pathlib import Path
 
+import numpy as np
 import torch
 
 SAMPLE_RATE, N_FFT, HOP = 16_000, 400, 160
@@ -51,3 +55,20 @@ def log_mel(waveform: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
     logs = torch.clamp(mel, min=1e-10).log10()
     logs = torch.maximum(logs, logs.max() - 8.0)
     return ((logs + 4.0) / 4.0).to(torch.float32)
+
+
+def load_audio(path: str | Path, where: str = "") -> torch.Tensor:
+    """[samples] float32 at 16 kHz, the channels averaged; an unreadable file is a ValueError naming `where`
+    (file:line) and the file."""
+    import soundfile
+    from scipy.signal import resample_poly
+
+    try:
+        data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    except (RuntimeError, OSError, soundfile.LibsndfileError) as e:
+        raise ValueError(f"{where + ': ' if where else ''}cannot decode audio {str(path)!r} ({e})") from None
+    wave = data.mean(axis=1)
+    if rate != SAMPLE_RATE:
+        ratio = Fraction(SAMPLE_RATE, rate)
+        wave = resample_poly(wave, ratio.numerator, ratio.denominator).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(wave))
