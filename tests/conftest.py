@@ -177,3 +177,24 @@ def saved_tensors(checkpoint) -> tuple[dict[str, torch.Tensor], set[str]]:
     weights = CheckpointWeights(checkpoint)
     moments = {k[len(OPTIM):] for k in saved_metadata(checkpoint) if k.startswith(OPTIM)}
     return {n: weights.get(n) for n in weights.names}, moments
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_chat_tokenizer(root: Path) -> Path:
+    """A small byte-level BPE tokenizer folder trained here, with ChatML specials and a chat template."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["What is this? A cat. A dog sits on a mat.", "user assistant system"] * 20, trainer)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    return root

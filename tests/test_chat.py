@@ -4,32 +4,16 @@ placeholder repeated as many times as its encoder emits rows."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from conftest import CHATML, tiny_chat_tokenizer
 
 from loom.data.chat import ChatTokenizer
 from loom.data.conversations import BadSample, Conversation, Part, Turn
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A small byte-level BPE tokenizer trained here, with ChatML specials and a chat template."""
-    root = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["What is this? A cat. A dog sits on a mat.", "user assistant system"] * 20, trainer)
-    from tokenizers import decoders
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    return root
+    return tiny_chat_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _conversation(*turns) -> Conversation:
