@@ -30,7 +30,6 @@ def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRul
             raise BadSample(f"{conv.where}: has {kind} items but the model has no {module} encoder")
     images = [load_image(p, rules.image, conv.where) for p in conv.media("image")]
     clips = [log_mel(load_audio(p, conv.where), rules.n_mels) for p in conv.media("audio")]
-    rows = {"image": [counters["vision"](x) for x in images] if images else [],
-            "audio": [counters["audio"](c) for c in clips] if clips else []}
+    rows = {"image": [counters["vision"](x) for x in images], "audio": [counters["audio"](c) for c in clips]}
     ids, targets = chat.encode(conv, rows)
     return Sample(ids, targets, images, clips, task)
