@@ -353,13 +353,15 @@ def test_cli_space_separated_override_after_a_config_file(tmp_path, monkeypatch)
 
 def test_cli_without_a_config_launches_the_default_job_on_its_ranks(monkeypatch, capsys):
     """No CONFIG: the default job (4 ranks) is validated here, then started with torchrun; space-separated
-    overrides reach the ranks joined."""
-    launched = {}
+    overrides reach the ranks joined; after them the launcher evaluates the checkpoint."""
+    launched, evaluated = {}, []
     monkeypatch.setattr(loom.cli, "launch_local", lambda n, args: launched.update(n=n, args=args) or 0)
+    monkeypatch.setattr(loom.cli, "_eval", lambda out, device: evaluated.append(out) or 0)
     code = loom.cli.main(["train", "--train.steps", "12", "--train.lr=3e-4"])
     assert code == 0, capsys.readouterr().err
     assert launched["n"] == 4
     assert launched["args"] == ["train", str(loom.cli.DEFAULT_CONFIG), "--train.steps=12", "--train.lr=3e-4"]
+    assert evaluated == ["runs/default"]  # then `loom eval` of the run's latest checkpoint, on one process
 
 
 def test_tiny_config_spells_out_the_built_in_defaults():

@@ -113,9 +113,10 @@ FAULTS = {
     "one rank counts its tokens twice": (2, [], "language gradients"),  # its replica's share is scaled
     "each replica divides by its own token count": (2, [], "loss"),
 }
-BF16_TOO = ["encoder gradient scaled by llm_dp/encoder_dp", "one bridge row wrong",
-            "nan in one rank's encoder output", "cp sum dropped from the bridge backward",
-            "one rank counts its tokens twice"]
+# "one bridge row wrong" is fp32's to catch: one negated row of the tiny batch moves the LLM's gradients by
+# 0.029 relative (measured, per-name initial weights), inside bf16's tolerance of 0.03
+BF16_TOO = ["encoder gradient scaled by llm_dp/encoder_dp", "nan in one rank's encoder output",
+            "cp sum dropped from the bridge backward", "one rank counts its tokens twice"]
 CASES = [(f, "fp32") for f in FAULTS] + [(f, "bf16") for f in BF16_TOO]
 
 

@@ -121,7 +121,7 @@ def _as_packed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 def _context(group, lengths: list[int], rank: int, size: int, device) -> ContextShard:
     local_total = sum(lengths) // size
-    gathered = torch.cat([torch.tensor(zigzag_indices(lengths, r, size)) for r in range(size)])
+    gathered = torch.cat([torch.tensor(zigzag_indices(lengths, r, size), dtype=torch.long) for r in range(size)])
     kv_order = torch.empty_like(gathered)
     kv_order[gathered] = torch.arange(gathered.numel())  # global index → position in the gathered rows
     q_rows, k_rows, q_lens, k_lens = ([], []), ([], []), ([], []), ([], [])
