@@ -20,6 +20,9 @@ from loom.typed_config import ConfigError, choice, from_dict, parse_override, se
 @dataclass
 class ModelConfig:
     encoders: list[str] = field(default_factory=lambda: ["vision", "audio"])
+    # a Hugging Face tokenizer folder (tokenizer.json + chat template) for data.sources; empty: loom's byte
+    # tokenizer, which the built-in tasks use
+    tokenizer: str = ""
     attention: str = choice("auto", "auto", "sdpa", "varlen")
     language: LLMConfig = field(default_factory=LLMConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -27,10 +30,27 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """[[data.sources]]: one JSONL file of conversations and its share of the mixture."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
-    tasks: list[str] = field(default_factory=lambda: ["digits", "shapes", "tones"])
-    train_size: int = 60000
-    heldout_size: int = 240
+    tasks: list[str] = field(default_factory=lambda: ["digits", "shapes", "tones"])  # built-in (no data.sources)
+    train_size: int = 60000  # built-in tasks' examples per epoch
+    heldout_size: int = 240  # held-out examples; with data.sources and no data.heldout, the last ones of each file
+    # a user's JSONL conversations (replace data.tasks; need model.tokenizer), mixed by weight
+    sources: list[SourceConfig] = field(default_factory=list)
+    heldout: str = ""  # a JSONL of held-out conversations (default: split off the sources, data.heldout_size)
+    train_on: str = choice("assistant", "assistant", "all")  # which turns' tokens are targets
+    # a malformed line, a missing or undecodable file, placeholders that do not match the media: stop naming
+    # file:line, or skip it (counted, listed in out_dir/bad_samples.jsonl; every rank decides alike)
+    on_bad_sample: str = choice("error", "error", "skip")
+    image_min_pixels: int = 0  # images are resized into [min, max] pixels keeping their aspect ratio (0: no bound)
+    image_max_pixels: int = 0
     format: str = choice("thd", "thd", "bshd")  # packed (THD) or padded (BSHD) batches
     pad_to_multiple: int = 1  # each sample's length is rounded up to this (the layout adds 2·cp, ·tp under SP)
     tokens_per_microbatch: int = 0  # T: every LLM microbatch packs exactly T tokens (0: each share as it comes)
@@ -67,7 +87,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
-    eval_max_new_tokens: int = 16
+    eval_max_new_tokens: int = 64  # exact match generates at most this many tokens (up to the longest answer)
     compile: bool = False  # torch.compile each transformer block (fuses norms, activations, rotary)
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute
@@ -179,7 +199,6 @@ def _with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Checks that need more than one field; raises ConfigError on the first problem."""
-    from loom.data.tasks import TASKS
     from loom.data.tokenizer import ByteTokenizer
     from loom.topology.checks import check_placement
     from loom.topology.layout import resolve_placement
@@ -225,27 +244,17 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"{key} = {beta} must lie in [0, 1)")
-    if t.global_batch_size > d.train_size:
-        raise ConfigError(f"train.global_batch_size = {t.global_batch_size} exceeds data.train_size = {d.train_size}")
     for name in m.encoders:
         if name not in ("vision", "audio"):
             raise ConfigError(f"model.encoders contains {name!r}; allowed: ['vision', 'audio']")
-    for task in d.tasks:
-        if task not in TASKS:
-            raise ConfigError(f"data.tasks contains {task!r}; allowed: {list(TASKS)}")
-    needs = {"digits": "vision", "shapes": "vision", "tones": "audio"}
-    for task in d.tasks:
-        if needs[task] not in m.encoders:
-            raise ConfigError(
-                f"data.tasks contains {task!r}, which needs the {needs[task]} encoder, but model.encoders = "
-                f"{m.encoders}; add {needs[task]!r} to model.encoders or remove {task!r}"
-            )
-    if not d.tasks:
-        raise ConfigError("data.tasks is empty; choose from " + str(list(TASKS)))
+    if d.sources:
+        _validate_sources(cfg)
+    else:
+        _validate_tasks(cfg)
     _positive({f"model.{name}.{k}": v for name in ("language", *m.encoders)
                for k, v in dataclasses.asdict(getattr(m, name)).items()
                if k in _SIZE_FIELDS and not (k == "head_dim" and v == 0)})
-    _validate_language(m.language, ByteTokenizer().vocab_size)
+    _validate_language(m.language, 0 if d.sources else ByteTokenizer().vocab_size)  # a tokenizer's: job_data grows it
     for name in m.encoders:
         enc = getattr(m, name)
         if enc.hidden_size % enc.num_heads:
@@ -287,6 +296,54 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     world = world_size or declared
     if world:
         check_placement(resolve_placement(cfg, world), cfg)
+
+
+def _validate_tasks(cfg: JobConfig) -> None:
+    from loom.data.tasks import TASKS
+
+    m, d = cfg.model, cfg.data
+    if cfg.train.global_batch_size > d.train_size:
+        raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds data.train_size = "
+                          f"{d.train_size}")
+    for task in d.tasks:
+        if task not in TASKS:
+            raise ConfigError(f"data.tasks contains {task!r}; allowed: {list(TASKS)}")
+    needs = {"digits": "vision", "shapes": "vision", "tones": "audio"}
+    for task in d.tasks:
+        if needs[task] not in m.encoders:
+            raise ConfigError(
+                f"data.tasks contains {task!r}, which needs the {needs[task]} encoder, but model.encoders = "
+                f"{m.encoders}; add {needs[task]!r} to model.encoders or remove {task!r}"
+            )
+    if not d.tasks:
+        raise ConfigError("data.tasks is empty; choose from " + str(list(TASKS)))
+    if m.tokenizer:
+        raise ConfigError(f"model.tokenizer = {m.tokenizer!r} is the tokenizer of a user's data ([[data.sources]]); "
+                          f"the built-in tasks (data.tasks) use loom's byte tokenizer")
+
+
+def _validate_sources(cfg: JobConfig) -> None:
+    """A user's JSONL data: the files exist and have weights, a tokenizer is named (its contents are read by
+    train/job_data.py, before the model's weights)."""
+    m, d = cfg.model, cfg.data
+    if not m.tokenizer:
+        raise ConfigError("data.sources needs model.tokenizer: a Hugging Face tokenizer folder (tokenizer.json and a "
+                          "chat template), usually the LLM's own folder")
+    for i, source in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not source.path or not Path(source.path).is_file():
+            raise ConfigError(f"{key}.path = {source.path!r}: no such file (a JSONL of conversations)")
+        if not source.weight > 0:
+            raise ConfigError(f"{key}.weight = {source.weight} must be > 0")
+    if d.heldout and not Path(d.heldout).is_file():
+        raise ConfigError(f"data.heldout = {d.heldout!r}: no such file (a JSONL of held-out conversations)")
+    if d.image_min_pixels < 0 or d.image_max_pixels < 0 or (
+            d.image_max_pixels and d.image_min_pixels > d.image_max_pixels):
+        raise ConfigError(f"data.image_min_pixels = {d.image_min_pixels}, data.image_max_pixels = "
+                          f"{d.image_max_pixels}: need 0 ≤ min ≤ max (0: the default bound)")
+    if d.format == "bshd" and not d.padded_length:
+        raise ConfigError("data.format = 'bshd' with data.sources needs data.padded_length (the tokens of every row): "
+                          "a user's longest sample is not known before it is drawn")
 
 
 # sizes that must be ≥ 1 in every model config that has them (head_dim 0 means "derived")

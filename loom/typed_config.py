@@ -94,6 +94,8 @@ def _check_type(key: str, value, typ):
         if value is None:
             return None
         raise ConfigError(f"{key} = {value!r}: expected nothing")
+    if dataclasses.is_dataclass(typ):  # a table inside a list, e.g. [[data.sources]]
+        return from_dict(typ, value, f"{key}.")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key} = {value!r} must be a list, e.g. {key} = [...]")

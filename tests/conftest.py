@@ -198,3 +198,54 @@ def tiny_chat_tokenizer(root: Path) -> Path:
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     return root
+
+
+def write_user_data(root: Path, n: int = 32, seed: int = 0) -> Path:
+    """A user's JSONL of `n` conversations beside their files: PNG images of a few sizes (whole 4-pixel patches
+    or not), WAV clips at 8, 16 and 44.1 kHz, some conversations with both, some with two turns. Returns the
+    JSONL's path (`root/data.jsonl`; files under `root/media/`)."""
+    import json
+
+    import numpy as np
+    import soundfile
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    media = root / "media"
+    media.mkdir(parents=True, exist_ok=True)
+    colours = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+    pitches = {"low": 300.0, "high": 2000.0}
+    lines = []
+    for i in range(n):
+        colour = list(colours)[i % 3]
+        h, w = (int(x) for x in rng.integers(6, 20, size=2))
+        pixels = np.clip(np.array(colours[colour]) + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(media / f"{i}.png")
+        pitch, rate = list(pitches)[i % 2], (8000, 16000, 44100)[i % 3]
+        t = np.arange(int(rate * rng.uniform(0.05, 0.2))) / rate
+        soundfile.write(media / f"{i}.wav", (0.3 * np.sin(2 * np.pi * pitches[pitch] * t)).astype(np.float32), rate)
+        user = [{"type": "image", "path": f"media/{i}.png"}, {"type": "text", "text": "What colour is this?"}]
+        answer = colour
+        if i % 4 == 1:  # image and clip
+            user.append({"type": "audio", "path": f"media/{i}.wav"})
+            answer = f"{colour}, {pitch}"
+        if i % 4 == 2:  # a clip alone
+            user = [{"type": "audio", "path": f"media/{i}.wav"}, {"type": "text", "text": "Low or high?"}]
+            answer = pitch
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        if i % 4 == 3:  # two turns: both answers are targets
+            messages += [{"role": "user", "content": "Sure?"}, {"role": "assistant", "content": f"Yes, {colour}."}]
+        lines.append(json.dumps({"messages": messages}))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "data.jsonl"
+
+
+def user_data_overrides(root: Path, *extra: str) -> list[str]:
+    """The tiny model trained on `write_user_data(root / "data")` with `tiny_chat_tokenizer(root / "tok")`."""
+    jsonl = root / "data" / "data.jsonl"
+    if not jsonl.is_file():
+        write_user_data(root / "data")
+        (root / "tok").mkdir(exist_ok=True)
+        tiny_chat_tokenizer(root / "tok")
+    return [f"--model.tokenizer={root / 'tok'}", f'--data.sources=[{{path = "{jsonl}", weight = 1.0}}]',
+            "--data.heldout_size=4", *extra]

@@ -36,7 +36,7 @@ def test_ids_match_transformers_and_targets_are_the_assistant_turns(folder):
 
     chat = ChatTokenizer(folder)
     assert chat.added == ["<|image_pad|>", "<|audio_pad|>"]  # not in the vocabulary: added
-    ids, targets = chat.encode(CONV, {"image": [1, 1], "audio": [1]})
+    ids, targets = chat.encode(CONV, {"vision": [1, 1], "audio": [1]})
     hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=CHATML)
     hf.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|audio_pad|>"]})
     want = hf.apply_chat_template(chat.messages(CONV), tokenize=True)
@@ -49,9 +49,9 @@ def test_ids_match_transformers_and_targets_are_the_assistant_turns(folder):
 
 def test_each_placeholder_becomes_as_many_as_its_item_has_rows(folder):
     chat = ChatTokenizer(folder)
-    one, _ = chat.encode(CONV, {"image": [1, 1], "audio": [1]})
-    ids, targets = chat.encode(CONV, {"image": [5, 2], "audio": [3]})
-    image, audio = chat.placeholder_ids["image"], chat.placeholder_ids["audio"]
+    one, _ = chat.encode(CONV, {"vision": [1, 1], "audio": [1]})
+    ids, targets = chat.encode(CONV, {"vision": [5, 2], "audio": [3]})
+    image, audio = chat.placeholder_ids["vision"], chat.placeholder_ids["audio"]
     assert ids.count(image) == 7 and ids.count(audio) == 3 and len(ids) == len(one) + 4 + 1 + 2
     first = ids.index(image)
     assert ids[first:first + 5] == [image] * 5 and ids[first + 5] != image
@@ -60,10 +60,10 @@ def test_each_placeholder_becomes_as_many_as_its_item_has_rows(folder):
 
 def test_placeholders_and_items_must_agree(folder):
     chat = ChatTokenizer(folder)
-    with pytest.raises(BadSample, match=r"data\.jsonl:7: more <\|image_pad\|> placeholders than image items"):
-        chat.encode(CONV, {"image": [1], "audio": [1]})
+    with pytest.raises(BadSample, match=r"data\.jsonl:7: more <\|image_pad\|> placeholders than vision items"):
+        chat.encode(CONV, {"vision": [1], "audio": [1]})
     with pytest.raises(BadSample, match=r"data\.jsonl:7: .*'audio': 1.* no placeholder"):
-        chat.encode(CONV, {"image": [1, 1], "audio": [1, 1]})
+        chat.encode(CONV, {"vision": [1, 1], "audio": [1, 1]})
 
 
 def test_a_folder_without_a_chat_template_is_refused(tmp_path, folder):

@@ -35,7 +35,7 @@ def test_a_conversation_becomes_a_sample_sized_by_its_encoders(tmp_path):
     s = conversation_sample(data[0], chat, rules, counters, task="d")
     assert s.images[0].shape == (3, 24, 40)  # whole 4-pixel patches already, 960 pixels within [16, 1024]
     assert s.audio[0].shape == (audio.cfg.num_features, 50)  # 0.5 s: 50 frames of 10 ms
-    assert s.tokens.count(chat.placeholder_ids["image"]) == vision.num_tokens(s.images[0]) == 60
+    assert s.tokens.count(chat.placeholder_ids["vision"]) == vision.num_tokens(s.images[0]) == 60
     assert s.tokens.count(chat.placeholder_ids["audio"]) == audio.num_tokens(s.audio[0]) == 25
     said = chat.tokenizer.decode([t for t, y in zip(s.tokens, s.supervised) if y], skip_special_tokens=False)
     assert said == "A cat.<|im_end|>\n" and s.task == "d"

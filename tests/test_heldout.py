@@ -26,15 +26,14 @@ LAYOUTS = {
 }
 
 
-def _one_process_metrics(model, examples, tok, counters) -> dict[str, float]:
+def _one_process_metrics(model, samples, tok) -> dict[str, float]:
     from loom.data.batch import IGNORE_INDEX
-    from loom.data.format import to_sample
     from loom.data.packing import pack_samples
     from loom.train.loss import token_loss_sum
 
     out, totals = {}, [0.0, 0.0, 0]
-    for task in sorted({e.task for e in examples}):
-        batch = pack_samples([to_sample(e, tok, counters) for e in examples if e.task == task], tok.pad_id)
+    for task in sorted({s.task for s in samples}):
+        batch = pack_samples([s for s in samples if s.task == task], tok.pad_id)
         with torch.no_grad():
             logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
         supervised = batch.labels != IGNORE_INDEX
@@ -54,8 +53,9 @@ def _heldout_under_layout(overrides: list[str]) -> dict:
 
     from loom.data.tokenizer import ByteTokenizer
     from loom.parallel.materialize import materialize
-    from loom.train.build import build_batches, build_datasets, build_job_model, initial_weights, setup_parallel
+    from loom.train.build import build_batches, build_job_model, initial_weights, setup_parallel
     from loom.train.build import step_inputs, token_counters
+    from loom.train.job_data import build_job_data
     from loom.train.heldout import heldout_metrics
     from loom.train.optim import ModuleOptimizers
     from loom.train.verify import parameters
@@ -68,18 +68,17 @@ def _heldout_under_layout(overrides: list[str]) -> dict:
     counters = token_counters(reference)
     plan = setup_parallel(model, cfg, torch.device("cpu"), weights)
     optimizer = ModuleOptimizers(model, list(plan.hosted), cfg.train)
-    train, heldout = build_datasets(cfg)
-    batches = build_batches(cfg, train, tok, counters)
+    data = build_job_data(cfg, tok, counters)
+    batches = build_batches(cfg, data)
     for step in range(3):  # trained weights: token accuracy well away from 0
         plan.train_step(model, optimizer, step_inputs(batches, step, plan, cfg, tok, counters, torch.device("cpu")),
                         cfg, step, torch.device("cpu"))
-    examples = [heldout[i] for i in range(len(heldout))]
-    mine = heldout_metrics(plan, model, examples, cfg, tok, counters, torch.device("cpu"))
+    mine = heldout_metrics(plan, model, data.heldout, cfg, tok, counters, torch.device("cpu"))
     materialize(reference, torch.device("cpu"), weights)
     held = [None] * dist.get_world_size()  # a pipelined LLM: each rank holds its stages' weights
     dist.all_gather_object(held, parameters(model))
     reference.load_state_dict({k: v for h in held for k, v in h.items()}, strict=False)  # the layout's, whole
-    return {"layout": mine, "one_process": _one_process_metrics(reference, examples, tok, counters)}
+    return {"layout": mine, "one_process": _one_process_metrics(reference, data.heldout, tok)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

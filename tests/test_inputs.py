@@ -90,21 +90,22 @@ def test_too_long_samples_are_skipped_when_asked(batch16, tok):
     kept, indices, skipped = fitting(batch16, list(range(16)), cfg, multiple=4)
     assert [len(s) for s in kept] == [len(s) for s in batch16 if -(-len(s) // 4) * 4 <= 16]
     assert skipped == 16 - len(kept) > 0 and indices == [i for i, s in enumerate(batch16) if s in kept]
-    assert fitting(batch16, list(range(16)), _cfg("--data.tokens_per_microbatch=16"), 4)[2] == 0  # "error" keeps all
+    first = next(i for i, s in enumerate(batch16) if -(-len(s) // 4) * 4 > 16)
+    with pytest.raises(ValueError, match=rf"sample {first} of the dataset: \d+ tokens .* data.tokens_per_microbatch = 16"):
+        fitting(batch16, list(range(16)), _cfg("--data.tokens_per_microbatch=16"), 4)  # "error": the first named
 
 
 def test_the_longest_builtin_sample_bounds_every_drawn_one(tok):
-    from loom.data.format import to_sample
-    from loom.train.build import build_datasets, build_job_model, longest_samples, token_counters
+    from loom.train.build import build_job_model, token_counters
+    from loom.train.job_data import build_job_data
 
     cfg = _cfg("--data.train_size=600")
-    counters = token_counters(build_job_model(cfg, tok))
-    longest = longest_samples(cfg, tok, counters)
-    train, _ = build_datasets(cfg)
+    data = build_job_data(cfg, tok, token_counters(build_job_model(cfg, tok)))
+    longest, train = data.longest, data.train
     drawn = {}
     for i in range(len(train)):
-        ex = train[i]
-        drawn[ex.task] = max(drawn.get(ex.task, 0), len(to_sample(ex, tok, counters)))
+        s = train[i]
+        drawn[s.task] = max(drawn.get(s.task, 0), len(s))
     for task, n in drawn.items():
         assert n <= longest[f"task {task!r}"], task
         assert n >= 0.9 * longest[f"task {task!r}"], task  # a bound, but not a loose one
@@ -130,14 +131,15 @@ def test_a_budget_below_the_longest_sample_fails_before_training(tmp_path):
 def _padded_job(*extra: str):
     """The tiny job's built-in tasks, bshd: config with S resolved (sample multiple 4), counters, batches."""
     from loom.data.tokenizer import ByteTokenizer
-    from loom.train.build import build_batches, build_datasets, build_job_model, longest_samples, token_counters
+    from loom.train.build import build_batches, build_job_model, token_counters
     from loom.train.inputs import with_padded_length
+    from loom.train.job_data import build_job_data
 
     cfg, tok = _cfg("--data.format=bshd", "--train.global_batch_size=8", "--train.microbatches=2", *extra), ByteTokenizer()
     counters = token_counters(build_job_model(cfg, tok))
-    longest = longest_samples(cfg, tok, counters)
-    cfg = with_padded_length(cfg, longest, 4)
-    return cfg, tok, counters, longest, build_batches(cfg, build_datasets(cfg)[0], tok, counters)
+    data = build_job_data(cfg, tok, counters)
+    cfg = with_padded_length(cfg, data.longest, 4)
+    return cfg, tok, counters, data.longest, build_batches(cfg, data)
 
 
 def _padded_steps(cfg, tok, counters, batches, steps=4, dp=2):

@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loom.data.conversations import BadSample
+from loom.data.sample import MediaFile
+
 SAMPLE_RATE, N_FFT, HOP = 16_000, 400, 160
 
 
@@ -57,8 +60,26 @@ def log_mel(waveform: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
     return ((logs + 4.0) / 4.0).to(torch.float32)
 
 
+def audio_file(path: Path, n_mels: int, where: str = "") -> MediaFile:
+    """The clip at `path` as log-mel features, its frame count read from the header alone (the length after
+    resampling to 16 kHz, one frame per hop); decoded on `load()`."""
+    import soundfile
+
+    try:
+        info = soundfile.info(str(path))
+    except (RuntimeError, OSError, soundfile.LibsndfileError) as e:
+        raise BadSample(f"{where + ': ' if where else ''}cannot read audio {str(path)!r} ({e})") from None
+    ratio = Fraction(SAMPLE_RATE, info.samplerate)
+    samples = -(-info.frames * ratio.numerator // ratio.denominator)  # resample_poly's output length
+    return MediaFile(Path(path), (n_mels, samples // HOP), functools.partial(_features, path, n_mels, where))
+
+
+def _features(path: Path, n_mels: int, where: str) -> torch.Tensor:
+    return log_mel(load_audio(path, where), n_mels)
+
+
 def load_audio(path: str | Path, where: str = "") -> torch.Tensor:
-    """[samples] float32 at 16 kHz, the channels averaged; an unreadable file is a ValueError naming `where`
+    """[samples] float32 at 16 kHz, the channels averaged; an undecodable file is a BadSample naming `where`
     (file:line) and the file."""
     import soundfile
     from scipy.signal import resample_poly
@@ -66,7 +87,7 @@ def load_audio(path: str | Path, where: str = "") -> torch.Tensor:
     try:
         data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
     except (RuntimeError, OSError, soundfile.LibsndfileError) as e:
-        raise ValueError(f"{where + ': ' if where else ''}cannot decode audio {str(path)!r} ({e})") from None
+        raise BadSample(f"{where + ': ' if where else ''}cannot decode audio {str(path)!r} ({e})") from None
     wave = data.mean(axis=1)
     if rate != SAMPLE_RATE:
         ratio = Fraction(SAMPLE_RATE, rate)

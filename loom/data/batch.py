@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from loom.data.sample import Sample
+from loom.data.sample import Sample, decoded
 from loom.models.attention import TokenLayout
 
 IGNORE_INDEX = -100
@@ -68,7 +68,7 @@ def round_up(n: int, multiple: int) -> int:
 
 def gather_modality_inputs(samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
     """Every sample's modality items, sample after sample: the order their placeholders appear in."""
-    return {m: [item for s in samples for item in s.items(m)] for m in MODALITIES}
+    return {m: [decoded(item) for s in samples for item in s.items(m)] for m in MODALITIES}
 
 
 def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backend: str = "auto",

@@ -23,9 +23,9 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
-from loom.data.conversations import BadSample, Conversation
+from loom.data.conversations import MODULE_OF, BadSample, Conversation
 
-PLACEHOLDERS = {"image": "<|image_pad|>", "audio": "<|audio_pad|>"}
+PLACEHOLDERS = {"vision": "<|image_pad|>", "audio": "<|audio_pad|>"}  # encoder → its placeholder token
 
 
 def _token_text(value) -> str:
@@ -57,7 +57,16 @@ class ChatTokenizer:
         if missing:
             self.tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         self.added = missing  # new vocabulary entries: the LLM's embedding grows by len(added) rows
-        self.placeholder_ids = {kind: self.tokenizer.token_to_id(t) for kind, t in self.placeholders.items()}
+        self.placeholder_ids = {module: self.tokenizer.token_to_id(t) for module, t in self.placeholders.items()}
+        self.eos_id = self._id(folder, self.specials["eos_token"], "eos_token")  # ends an assistant turn
+        pad = _token_text(config.get("pad_token"))
+        self.pad_id = self._id(folder, pad, "pad_token") if pad else self.eos_id  # fills only unlabelled slots
+
+    def _id(self, folder: Path, text: str, key: str) -> int:
+        token = self.tokenizer.token_to_id(text) if text else None
+        if token is None:
+            raise ValueError(f"{folder}/tokenizer_config.json: {key} {text!r} is not a token of tokenizer.json")
+        return token
 
     @property
     def vocab_size(self) -> int:
@@ -69,12 +78,16 @@ class ChatTokenizer:
 
     def messages(self, conv: Conversation) -> list[dict]:
         """The conversation as the template reads it: each turn's text, media as placeholder tokens."""
-        return [{"role": t.role, "content": "".join(p.text if p.kind == "text" else self.placeholders[p.kind]
-                                                    for p in t.parts)} for t in conv.turns]
+        def text(p) -> str:
+            return p.text if p.kind == "text" else self.placeholders[MODULE_OF[p.kind]]
 
-    def encode(self, conv: Conversation, rows: dict[str, list[int]]) -> tuple[list[int], list[bool]]:
-        """Token ids and which are targets; `rows[kind][i]`: how many rows the encoder emits for the i-th item
-        of that kind, each item's placeholder repeated that many times."""
+        return [{"role": t.role, "content": "".join(map(text, t.parts))} for t in conv.turns]
+
+    def encode(self, conv: Conversation, rows: dict[str, list[int]], train_on: str = "assistant"
+               ) -> tuple[list[int], list[bool]]:
+        """Token ids and which are targets (the assistant turns', or with `train_on` = "all" every text
+        token); `rows[module][i]`: how many rows that encoder emits for its i-th item of the conversation, each
+        item's placeholder repeated that many times."""
         messages = self.messages(conv)
         text = self.render(messages, add_generation_prompt=False)
         spans = []
@@ -91,19 +104,20 @@ class ChatTokenizer:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         ids, targets = [], []
         taken = dict.fromkeys(rows, 0)
-        kind_of = {i: kind for kind, i in self.placeholder_ids.items()}
+        module_of = {i: module for module, i in self.placeholder_ids.items()}
         for token, (start, end) in zip(encoding.ids, encoding.offsets):
-            kind = kind_of.get(token)
-            if kind is not None:
-                if taken.get(kind, 0) >= len(rows.get(kind, [])):
-                    raise BadSample(f"{conv.where}: more {self.placeholders[kind]} placeholders than {kind} items")
-                n = rows[kind][taken[kind]]
-                taken[kind] += 1
+            module = module_of.get(token)
+            if module is not None:
+                if taken.get(module, 0) >= len(rows.get(module, [])):
+                    raise BadSample(f"{conv.where}: more {self.placeholders[module]} placeholders than {module} "
+                                    f"items (a placeholder typed into the text?)")
+                n = rows[module][taken[module]]
+                taken[module] += 1
                 ids += [token] * n
                 targets += [False] * n
                 continue
             ids.append(token)
-            targets.append(any(a <= start and end <= b for a, b in spans) and end > start)
+            targets.append(end > start and (train_on == "all" or any(a <= start and end <= b for a, b in spans)))
         unused = {k: len(v) - taken.get(k, 0) for k, v in rows.items() if len(v) != taken.get(k, 0)}
         if unused:
             raise BadSample(f"{conv.where}: {unused} media items have no placeholder in the rendered text")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROLES = ("system", "user", "assistant")
 KINDS = ("text", "image", "audio")
+MODULE_OF = {"image": "vision", "audio": "audio"}  # a media part's type → the encoder that reads it
 
 
 class BadSample(ValueError):
@@ -114,8 +115,30 @@ class ConversationFile:
                     self._lines.append(number)
                 offset += len(raw)
 
+    @property
+    def name(self) -> str:
+        """The source's name in metrics: the file's stem."""
+        return self.path.stem
+
     def __len__(self) -> int:
         return len(self._offsets)
+
+    def only(self, keep: list[int]) -> ConversationFile:
+        """The same file with only the conversations `keep` (indices into this one), in that order."""
+        out = object.__new__(ConversationFile)
+        out.path, out._offsets, out._lines = self.path, [self._offsets[i] for i in keep], [self._lines[i] for i in keep]
+        return out
+
+    def problems(self) -> dict[int, str]:
+        """Every conversation that does not parse or check (a missing file included): index → message. Run
+        before training, so a bad line stops the run before the model is built, not at the step that reads it."""
+        out = {}
+        for i in range(len(self)):
+            try:
+                self[i]
+            except BadSample as e:
+                out[i] = str(e)
+        return out
 
     def where(self, i: int) -> str:
         return f"{self.path}:{self._lines[i]}"

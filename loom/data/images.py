@@ -8,6 +8,7 @@ from the encoder folder's `preprocessor_config.json` when there is one (SigLIP: 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+
+from loom.data.conversations import BadSample
+from loom.data.sample import MediaFile
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,19 @@ def target_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
     return h, w
 
 
+def image_file(path: Path, rule: ImageRule, where: str = "") -> MediaFile:
+    """The image at `path`, its size read from the header alone (Pillow opens lazily); decoded on `load()`."""
+    try:
+        with Image.open(path) as img:
+            height, width = img.height, img.width
+    except (OSError, UnidentifiedImageError) as e:
+        raise BadSample(f"{where + ': ' if where else ''}cannot read image {str(path)!r} ({e})") from None
+    return MediaFile(Path(path), (3, *target_size(height, width, rule)),
+                     functools.partial(load_image, path, rule, where))
+
+
 def load_image(path: str | Path, rule: ImageRule, where: str = "") -> torch.Tensor:
-    """[3, H, W] float32, normalised; an unreadable file is a ValueError naming `where` (file:line) and it."""
+    """[3, H, W] float32, normalised; an undecodable file is a BadSample naming `where` (file:line) and it."""
     try:
         with Image.open(path) as img:
             img = img.convert("RGB")
@@ -64,7 +79,7 @@ def load_image(path: str | Path, rule: ImageRule, where: str = "") -> torch.Tens
             img = img.resize((w, h), Image.Resampling.BICUBIC)
             pixels = np.asarray(img, dtype=np.float32) / 255.0
     except (OSError, UnidentifiedImageError) as e:
-        raise ValueError(f"{where + ': ' if where else ''}cannot decode image {str(path)!r} ({e})") from None
+        raise BadSample(f"{where + ': ' if where else ''}cannot decode image {str(path)!r} ({e})") from None
     x = torch.from_numpy(pixels).permute(2, 0, 1)
     mean, std = torch.tensor(rule.mean).view(3, 1, 1), torch.tensor(rule.std).view(3, 1, 1)
     return (x - mean) / std

@@ -11,17 +11,24 @@ from typing import Generic, TypeVar
 
 import torch
 
+from loom.data.conversations import BadSample
+
 T = TypeVar("T")
 
 
 class GlobalBatches(Generic[T]):
-    def __init__(self, dataset: Sequence, global_batch_size: int, seed: int, transform: Callable[..., T]) -> None:
+    def __init__(self, dataset: Sequence, global_batch_size: int, seed: int, transform: Callable[..., T] = lambda x: x,
+                 on_bad: Callable[[int, BadSample], None] | None = None) -> None:
+        """`on_bad`: called with a dataset index and the BadSample its transform raised, which then reads as
+        None in every shard (skipped); without it the BadSample propagates."""
         if global_batch_size > len(dataset):
             raise ValueError(f"global batch size {global_batch_size} exceeds the dataset size {len(dataset)}")
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.transform = transform
+        self.on_bad = on_bad
+        self.dropped: set[int] = set()  # indices found bad: None whenever drawn again
         self._perm_epoch, self._perm = -1, None
         self._step, self._samples = -1, {}  # the current step's transformed samples, by dataset index
 
@@ -38,8 +45,13 @@ class GlobalBatches(Generic[T]):
         b = self.global_batch_size
         return self._permutation(epoch)[k * b : (k + 1) * b].tolist()
 
-    def shard(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list[T]:
-        """This replica's samples of global batch `step`, transformed."""
+    def drop(self, index: int) -> None:
+        """Dataset item `index` is bad (e.g. its file failed to decode): None from now on."""
+        self.dropped.add(index)
+        self._samples[index] = None
+
+    def shard(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list[T | None]:
+        """This replica's samples of global batch `step`, transformed (None: a bad one, skipped)."""
         idx = self.indices(step)
         if len(idx) % dp_size:
             raise ValueError(f"global batch size {len(idx)} is not divisible by dp={dp_size}")
@@ -49,6 +61,16 @@ class GlobalBatches(Generic[T]):
         out = []
         for i in idx[dp_rank * share : (dp_rank + 1) * share]:
             if i not in self._samples:
-                self._samples[i] = self.transform(self.dataset[i])
+                self._samples[i] = None if i in self.dropped else self._transformed(i)
             out.append(self._samples[i])
         return out
+
+    def _transformed(self, i: int) -> T | None:
+        try:
+            return self.transform(self.dataset[i])
+        except BadSample as e:
+            if self.on_bad is None:
+                raise
+            self.on_bad(i, e)
+            self.dropped.add(i)
+            return None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -18,19 +20,44 @@ class Example:
     audio: list[torch.Tensor] = field(default_factory=list)  # each [n_features, n_frames], float
 
 
+@dataclass(frozen=True)
+class MediaFile:
+    """An image or clip not decoded yet. Its decoded shape is known from the file's header, and that is all the
+    token counts need, so every rank can plan a whole global batch while decoding only the items its encoder
+    replicas take (`load`)."""
+
+    path: Path
+    shape: tuple[int, ...]  # of the tensor `decode` returns
+    decode: Callable[[], torch.Tensor]
+
+    def load(self) -> torch.Tensor:
+        x = self.decode()
+        if tuple(x.shape) != self.shape:  # the header promised another size: the row counts would be wrong
+            raise ValueError(f"{self.path}: decoded to {tuple(x.shape)}, its header said {self.shape}")
+        return x
+
+
+Item = torch.Tensor | MediaFile
+
+
+def decoded(item: Item) -> torch.Tensor:
+    return item.load() if isinstance(item, MediaFile) else item
+
+
 @dataclass
 class Sample:
     """An example turned into tokens: placeholders sized to what each encoder emits for its input."""
 
     tokens: list[int]
     supervised: list[bool]  # True where tokens[i] is a target (answer and <eos>)
-    images: list[torch.Tensor]
-    audio: list[torch.Tensor]
-    task: str = ""
+    images: list[Item]  # each [channels, height, width] once decoded
+    audio: list[Item]  # each [n_features, n_frames] once decoded
+    task: str = ""  # the task or source it came from (held-out metrics are reported per task)
+    where: str = ""  # file:line of a user's conversation
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def items(self, modality: str) -> list[torch.Tensor]:
+    def items(self, modality: str) -> list[Item]:
         """This sample's inputs of one modality ("vision" or "audio"), in placeholder order."""
         return {"vision": self.images, "audio": self.audio}[modality]

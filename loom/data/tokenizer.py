@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<image>", "<audio>")
+
+
+class Vocabulary(Protocol):
+    """What training and evaluation need of a tokenizer (this ByteTokenizer, data/chat.py's ChatTokenizer)."""
+
+    pad_id: int  # fills slots that carry no label
+    eos_id: int  # ends an answer: generation stops at it
+    placeholder_ids: dict[str, int]  # encoder → the token its rows replace
+
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class ByteTokenizer:

@@ -34,10 +34,20 @@ class InitialWeights:
              device: torch.device, is_buffer: bool) -> torch.Tensor | None:
         """The part `box` of tensor `name` (whole shape `shape`), or None to keep what it holds."""
         for prefix, weights in self.folders.items():
-            if name.startswith(prefix) and name[len(prefix):] in weights:
-                return weights.read(name[len(prefix):], box)
-        if is_buffer:
-            return None
+            local = name[len(prefix):]
+            if name.startswith(prefix) and local in weights:
+                have = weights.rows(local)
+                if box[0].stop <= have:
+                    return weights.read(local, box)
+                # a grown vocabulary: rows past the folder's are drawn, the rest read
+                value = self._drawn(name, owner, attr, shape, box, device)
+                if box[0].start < have:
+                    value[: have - box[0].start] = weights.read(local, (slice(box[0].start, have), *box[1:]))
+                return value
+        return None if is_buffer else self._drawn(name, owner, attr, shape, box, device)
+
+    def _drawn(self, name: str, owner: nn.Module, attr: str, shape: torch.Size, box: tuple[slice, ...],
+               device: torch.device) -> torch.Tensor:
         llm_std = self.llm_std if name.startswith("language.") else None
         return initial_value(name, owner, attr, shape, self.seed, device, llm_std)[box]
 

@@ -13,11 +13,12 @@ from loom.bridge.colocated import ColocatedBridge
 from loom.bridge.first_stage import FirstStageBridge
 from loom.bridge.p2p import P2PBridge
 from loom.config import JobConfig
-from loom.data.format import TokenCounter, to_sample
+from loom.data.conversations import BadSample
+from loom.data.format import TokenCounter
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
-from loom.data.tasks import TaskDataset, longest_example
-from loom.data.tokenizer import ByteTokenizer
+from loom.data.source import BadSamples
+from loom.data.tokenizer import Vocabulary
 from loom.models.hf import HFWeights
 from loom.models.multimodal import MultimodalModel, build_model
 from loom.parallel import parallelize
@@ -29,6 +30,7 @@ from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_gr
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
 from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
+from loom.train.job_data import JobData
 from loom.train.optim import GradNormShare, freeze_modules
 from loom.train.noncolocated_step import (
     encoder_train_step,
@@ -40,6 +42,9 @@ from loom.train.pipeline_step import pipelined_train_step
 from loom.train.step import StepComms, StepResult, train_step
 
 
+DATA_GROUP = "data: samples found bad when decoding (gloo)"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,7 +53,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_job_model(cfg: JobConfig, tok: ByteTokenizer) -> MultimodalModel:
+def build_job_model(cfg: JobConfig, tok: Vocabulary) -> MultimodalModel:
     """The job's model on the `meta` device: shapes only. Storage and values come after the layout is
     applied (`setup_parallel` → parallel/materialize.py), so no rank ever holds the whole model."""
     m = cfg.model
@@ -69,7 +74,8 @@ def initial_weights(model: MultimodalModel, cfg: JobConfig, pretrained: bool = T
         if folder:
             module = model.language if name == "language" else model.encoder(name).encoder
             prefix = "language." if name == "language" else f"{name}.encoder."
-            folders[prefix] = HFWeights(folder, module)
+            grown = ("embed_tokens.weight", "lm_head.weight") if name == "language" else ()  # job_data.with_vocabulary
+            folders[prefix] = HFWeights(folder, module, grown)
     return InitialWeights(cfg.train.seed, cfg.model.language.init_std, folders)
 
 
@@ -77,23 +83,14 @@ def token_counters(model: MultimodalModel) -> dict[str, TokenCounter]:
     return {n: model.encoder(n).num_tokens for n in model.encoder_names}
 
 
-def build_datasets(cfg: JobConfig) -> tuple[TaskDataset, TaskDataset]:
-    d = cfg.data
-    sizes = dict(patch_size=cfg.model.vision.patch_size, n_audio_features=cfg.model.audio.num_features)
-    return (
-        TaskDataset(d.tasks, "train", d.train_size, seed=d.seed, **sizes),
-        TaskDataset(d.tasks, "heldout", d.heldout_size, seed=d.seed, **sizes),
-    )
+def build_batches(cfg: JobConfig, data: JobData) -> GlobalBatches[Sample]:
+    """Global batches of the job's training samples; with data.on_bad_sample = "skip" a sample found bad when
+    drawn is recorded in `data.bad` and left out (every rank draws every sample: they all skip it)."""
+    def skip(index: int, e: BadSample) -> None:
+        data.bad.add(getattr(data.train, "where", str)(index), str(e))
 
-
-def longest_samples(cfg: JobConfig, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> dict[str, int]:
-    """Each built-in task's longest sample in tokens (known without drawing any data)."""
-    sizes = dict(patch_size=cfg.model.vision.patch_size, n_audio_features=cfg.model.audio.num_features)
-    return {f"task {t!r}": len(to_sample(longest_example(t, **sizes), tok, counters)) for t in cfg.data.tasks}
-
-
-def build_batches(cfg: JobConfig, train_set: TaskDataset, tok: ByteTokenizer, counters) -> GlobalBatches[Sample]:
-    return GlobalBatches(train_set, cfg.train.global_batch_size, cfg.data.seed, lambda ex: to_sample(ex, tok, counters))
+    on_bad = skip if cfg.data.on_bad_sample == "skip" else None
+    return GlobalBatches(data.train, cfg.train.global_batch_size, cfg.data.seed, on_bad=on_bad)
 
 
 @dataclass
@@ -110,6 +107,7 @@ class RankPlan:
     hosted: tuple[str, ...] = ()  # the modules this rank holds (all of them unless non-colocated)
     rows_like: torch.Tensor | None = None  # non-colocated: the dtype, device and width of the bridged rows
     stage0_order: list[tuple[str, int]] = field(default_factory=list)  # non-colocated: the LLM stage 0's F/B order
+    data_group: dist.ProcessGroup | None = None  # a user's data: the gloo world group agreeing on undecodable files
 
     @property
     def distributed(self) -> bool:
@@ -203,6 +201,9 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
                       stage_group=lang.group("pp") if hosts_llm and lay.pp > 1 else None)
     plan = RankPlan(topo, comms, shares, sample_multiple(lay, cfg), _bridges(topo, model, cfg), pipeline,
                     me.modules)
+    if cfg.data.sources:
+        topo.registry.add(DATA_GROUP, [tuple(range(topo.placement.world_size))], backend="gloo")
+        plan.data_group = topo.registry.named(DATA_GROUP)
     if not topo.placement.colocated:
         plan.rows_like = torch.empty((0, cfg.model.language.hidden_size), dtype=hidden_dtype, device=device)
         plan.stage0_order = stage0_order(cfg.parallel.pp_schedule, lay.pp * cfg.parallel.pp_virtual_stages,
@@ -233,24 +234,49 @@ def norm_share(topo: Topology, modules: list[str]) -> GradNormShare:
     return GradNormShare(tuple(modules), frozenset(me.modules), frozenset(first))
 
 
-def check_data(cfg: JobConfig, plan: RankPlan, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> None:
+def check_data(cfg: JobConfig, plan: RankPlan, data: JobData) -> None:
     """Data problems found before the first step, on every rank alike."""
-    check_longest(cfg, longest_samples(cfg, tok, counters), plan.sample_multiple)
+    check_longest(cfg, data.longest, plan.sample_multiple)
 
 
 def global_batch(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, plan: RankPlan
                  ) -> tuple[list[Sample], list[int], int]:
     """Global batch `step` as every layout and the reference train on it: samples, dataset indices, and how
-    many were skipped as too long."""
-    return fitting(batches.shard(step), batches.indices(step), cfg, plan.sample_multiple)
+    many were skipped as too long (bad ones, None in the shard, are left out here)."""
+    drawn = [(s, i) for s, i in zip(batches.shard(step), batches.indices(step)) if s is not None]
+    if not drawn:
+        raise BadSample(f"step {step + 1}: every sample of the global batch is bad (data.on_bad_sample = "
+                        f"\"skip\"); nothing is left to train on")
+    return fitting([s for s, _ in drawn], [i for _, i in drawn], cfg, plan.sample_multiple)
 
 
-def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: ByteTokenizer,
-                counters: dict[str, TokenCounter], device: torch.device) -> StepInputs:
-    """This rank's microbatches of global batch `step` (train/inputs.py)."""
-    samples, indices, skipped = global_batch(batches, step, cfg, plan)
-    inputs = plan_inputs(samples, indices, cfg, tok, counters, plan.shares, plan.sample_multiple, device)
+def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: Vocabulary,
+                counters: dict[str, TokenCounter], device: torch.device, bad: BadSamples | None = None
+                ) -> StepInputs:
+    """This rank's microbatches of global batch `step` (train/inputs.py). A file that fails to decode is found
+    only by a rank that decodes it, so every rank learns of such samples before the step (`plan.data_group`);
+    then all stop naming it (data.on_bad_sample = "error") or all plan the step again without it."""
+    while True:
+        samples, indices, skipped = global_batch(batches, step, cfg, plan)
+        inputs = plan_inputs(samples, indices, cfg, tok, counters, plan.shares, plan.sample_multiple, device)
+        failed = agreed(inputs.failed, plan.data_group)
+        if not failed:
+            break
+        if cfg.data.on_bad_sample == "error" or bad is None:
+            raise BadSample(failed[min(failed)])
+        for index, why in failed.items():
+            batches.drop(index)
+            bad.add(samples[indices.index(index)].where, why)
     if skipped:
         inputs.stats["skipped_too_long"] = float(skipped)
     return inputs
 
+
+def agreed(failed: dict[int, str], group: dist.ProcessGroup | None) -> dict[int, str]:
+    """The union of every rank's `failed` (one small gather over the data group, a gloo group of the world;
+    none when the data has no files to decode)."""
+    if group is None:
+        return failed
+    everyone: list[dict[int, str]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, failed, group=group)
+    return {i: why for found in everyone for i, why in found.items()}

@@ -14,9 +14,9 @@ import torch
 from loom.checkpoint.read import CheckpointWeights
 from loom.checkpoint.sharded import CheckpointError, tied_aliases
 from loom.config import JobConfig, from_dict
-from loom.data.tokenizer import ByteTokenizer
 from loom.models.init import give_storage
-from loom.train.build import build_datasets, build_job_model, resolve_device, token_counters
+from loom.train.build import build_job_model, resolve_device, token_counters
+from loom.train.job_data import build_job_data, job_tokenizer
 from loom.train.evaluate import evaluate
 
 
@@ -30,7 +30,7 @@ def load_for_eval(path: str | Path, device: torch.device) -> tuple[torch.nn.Modu
     """The checkpoint's model, whole, on `device`; every tensor it needs must be in the checkpoint."""
     weights = CheckpointWeights(path)
     cfg = checkpoint_config(weights)
-    model = build_job_model(cfg, ByteTokenizer())
+    model = build_job_model(cfg, job_tokenizer(cfg))
     aliases = tied_aliases(model)
     targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if n not in aliases}
     missing = sorted(set(targets) - set(weights.names))
@@ -49,8 +49,7 @@ def evaluate_checkpoint(path: str | Path, device: torch.device | None = None) ->
     """Held-out token accuracy and exact match of the checkpoint at `path`, and the step it was saved at."""
     device = device or resolve_device("auto")
     model, cfg = load_for_eval(path, device)
-    heldout = build_datasets(cfg)[1]
-    examples = [heldout[i] for i in range(len(heldout))]
-    metrics = evaluate(model, examples, ByteTokenizer(), token_counters(model), device,
-                       cfg.train.eval_max_new_tokens, cfg.model.attention)
+    tok = job_tokenizer(cfg)
+    data = build_job_data(cfg, tok, token_counters(model))
+    metrics = evaluate(model, data.heldout, tok, device, cfg.train.eval_max_new_tokens, cfg.model.attention)
     return metrics, int(CheckpointWeights(path).state.get("step", 0))

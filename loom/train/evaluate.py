@@ -7,40 +7,52 @@ from collections import defaultdict
 import torch
 
 from loom.data.batch import IGNORE_INDEX, gather_modality_inputs
-from loom.data.format import TokenCounter, prompt_tokens, to_sample
 from loom.data.packing import pack_samples
-from loom.data.sample import Example, Sample
+from loom.data.sample import Sample
 from loom.data.tasks import CHANCE
-from loom.data.tokenizer import ByteTokenizer
+from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
+
+
+def answer_span(sample: Sample) -> tuple[int, int]:
+    """[start, end) of the sample's last run of targets: what greedy generation from the tokens before it
+    must reproduce (a task's answer and <eos>; a conversation's last assistant turn and its end-of-turn)."""
+    end = max(i for i, t in enumerate(sample.supervised) if t) + 1
+    start = end
+    while start > 0 and sample.supervised[start - 1]:
+        start -= 1
+    return start, end
 
 
 @torch.no_grad()
 def evaluate(
     model: MultimodalModel,
-    examples: list[Example],
-    tok: ByteTokenizer,
-    counters: dict[str, TokenCounter],
+    samples: list[Sample],
+    tok: Vocabulary,
     device: torch.device,
     max_new_tokens: int,
     backend: str = "auto",
     batch_size: int = 64,
 ) -> dict[str, float]:
-    """Returns `exact_match/<task>`, `token_accuracy/<task>` and their means over all examples."""
+    """Returns `exact_match/<task>`, `token_accuracy/<task>` and their means over all samples (a task: a
+    built-in task, or the JSONL file a conversation came from). Exact match: the greedily generated tokens
+    (at most `max_new_tokens`) begin with the sample's answer (`answer_span`)."""
     was_training = model.training
     model.eval()
     hits, correct, total, per_task = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        samples = [to_sample(e, tok, counters) for e in chunk]
-        for e, (ok, n) in zip(chunk, _teacher_forced(model, samples, tok, device, backend)):
-            correct[e.task] += ok
-            total[e.task] += n
-        prompts = [prompt_tokens(e, tok, counters) for e in chunk]
-        answers = greedy_generate(model, prompts, samples, tok, device, max_new_tokens, backend)
-        for e, answer in zip(chunk, answers):
-            hits[e.task] += answer == e.answer
-            per_task[e.task] += 1
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        for s, (ok, n) in zip(chunk, _teacher_forced(model, chunk, tok, device, backend)):
+            correct[s.task] += ok
+            total[s.task] += n
+        spans = [answer_span(s) for s in chunk]
+        answers = [s.tokens[a:b] for s, (a, b) in zip(chunk, spans)]
+        n_new = min(max_new_tokens, max(map(len, answers)))
+        generated = greedy_generate(model, [s.tokens[:a] for s, (a, _) in zip(chunk, spans)], chunk, tok, device,
+                                    n_new, backend)
+        for s, answer, out in zip(chunk, answers, generated):
+            hits[s.task] += out[: len(answer)] == answer
+            per_task[s.task] += 1
     model.train(was_training)
     out = {}
     for task in per_task:
@@ -66,11 +78,11 @@ def greedy_generate(
     model: MultimodalModel,
     prompts: list[list[int]],
     samples: list[Sample],
-    tok: ByteTokenizer,
+    tok: Vocabulary,
     device: torch.device,
     max_new_tokens: int,
     backend: str = "auto",
-) -> list[str]:
+) -> list[list[int]]:
     """Greedy decoding without a KV cache (re-runs the prefix each token: fine at evaluation sizes).
     The encoders run once; their embeddings fill the placeholders at every step."""
     embeds = model.encode({k: [t.to(device) for t in v] for k, v in gather_modality_inputs(samples).items()})
@@ -88,7 +100,7 @@ def greedy_generate(
                 done[i] = t == tok.eos_id
         if all(done):
             break
-    return [tok.decode(s[len(p) :]) for s, p in zip(seqs, prompts)]
+    return [s[len(p) :] for s, p in zip(seqs, prompts)]
 
 
 def heldout_report(metrics: dict[str, float], seconds: float | None = None) -> str:
@@ -101,7 +113,7 @@ def heldout_report(metrics: dict[str, float], seconds: float | None = None) -> s
     tasks = sorted(k.split("/", 1)[1] for k in metrics if k.startswith("token_accuracy/"))
     for task in tasks:
         match = f"{metrics['exact_match/' + task]:6.1%}   " if generated else ""
-        chance = f"   [chance {CHANCE[task]:.1%}]" if generated else ""
+        chance = f"   [chance {CHANCE[task]:.1%}]" if generated and task in CHANCE else ""
         lines.append(f"  {task:<8} {match}token accuracy {metrics['token_accuracy/' + task]:6.1%}{chance}")
     match = f"{metrics['exact_match']:6.1%}   " if generated else ""
     loss = f"   loss {metrics['loss']:.3f}" if "loss" in metrics else ""

@@ -1,6 +1,6 @@
 """Held-out loss and token accuracy under the training layout: a forward-only pass on every rank.
 
-The held-out examples are cut, task by task, into global batches of `train.global_batch_size`, and each is
+The held-out samples are cut, task by task, into global batches of `train.global_batch_size`, and each is
 planned exactly as a training step (train/inputs.py) and run forward through the same `forward` as
 `train_step` — encoders, bridges, CP sharding, TP's vocab-sharded logits — with no backward and no optimizer.
 Each LLM rank at tp 0 adds its summed token loss and correct predictions to one world sum, as the training
@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from loom.data.batch import IGNORE_INDEX, Batch
-from loom.data.format import TokenCounter, to_sample
-from loom.data.sample import Example
-from loom.data.tokenizer import ByteTokenizer
+from loom.data.format import TokenCounter
+from loom.data.sample import Sample
+from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.context import shard_for_context
 from loom.train.inputs import StepBatch, StepInputs, plan_inputs
@@ -135,7 +135,7 @@ def _run(plan, model: MultimodalModel, inputs: StepInputs, tp_group, autocast) -
                         placeholders, tp_group, autocast)
 
 
-def heldout_metrics(plan, model: MultimodalModel, examples: list[Example], cfg, tok: ByteTokenizer,
+def heldout_metrics(plan, model: MultimodalModel, samples: list[Sample], cfg, tok: Vocabulary,
                     counters: dict[str, TokenCounter], device: torch.device) -> dict[str, float]:
     """`loss`, `token_accuracy` and each task's (`loss/<task>`, `token_accuracy/<task>`), teacher-forced, on
     every rank alike; {} where the layout has no forward-only pass yet (see the module docstring)."""
@@ -146,14 +146,14 @@ def heldout_metrics(plan, model: MultimodalModel, examples: list[Example], cfg, 
     was_training = model.training
     model.eval()
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # task → loss, hits, supervised
-    by_task: dict[str, list[Example]] = defaultdict(list)
-    for e in examples:
-        by_task[e.task].append(e)
+    by_task: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_task[s.task].append(s)
     size = cfg.train.global_batch_size
-    for task, chunk_of in sorted(by_task.items()):
-        for start in range(0, len(chunk_of), size):
-            samples = [to_sample(e, tok, counters) for e in chunk_of[start:start + size]]
-            inputs = plan_inputs(samples, list(range(len(samples))), cfg, tok, counters, plan.shares,
+    for task, of_task in sorted(by_task.items()):
+        for start in range(0, len(of_task), size):
+            chunk = of_task[start:start + size]
+            inputs = plan_inputs(chunk, list(range(len(chunk))), cfg, tok, counters, plan.shares,
                                  plan.sample_multiple, device)
             loss, hits = _run(plan, model, inputs, tp_group, plan.autocast(cfg.train.dtype, device))
             if plan.distributed:

@@ -25,8 +25,9 @@ from loom.data.batch import Batch, pad_samples, round_up, supervised_count
 from loom.data.bins import assign_bins, bin_stats
 from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
-from loom.data.sample import Sample
-from loom.data.tokenizer import ByteTokenizer
+from loom.data.conversations import BadSample
+from loom.data.sample import Sample, decoded
+from loom.data.tokenizer import Vocabulary
 from loom.models.attention import TokenLayout
 from loom.topology.checks import sample_multiple
 from loom.topology.layout import resolve_placement
@@ -55,13 +56,16 @@ class StepInputs:
     tokens: int  # real (non-padding) LLM tokens of this rank's replica over the step
     stats: dict[str, float] = field(default_factory=dict)  # bin balance and fill (with a token budget)
     global_tokens: int = 0  # real LLM tokens of the whole global batch (every rank knows it)
+    # dataset index → why: samples whose files failed to decode here (found only by the rank that decodes
+    # them; the step must not start until every rank knows them, train/build.py's step_inputs)
+    failed: dict[int, str] = field(default_factory=dict)
 
     @staticmethod
     def of(batch: Batch, tokens: int = 0) -> StepInputs:
         return StepInputs([StepBatch.of(batch)], batch.num_supervised, tokens, global_tokens=tokens)
 
 
-def collate(samples: list[Sample], cfg: JobConfig, tok: ByteTokenizer, multiple: int | None = None,
+def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: int | None = None,
             length: int | None = None, rows: int = 0) -> Batch:
     """Packed (THD) or padded (BSHD) batch of `samples`, each padded to `multiple` tokens (default
     data.pad_to_multiple); `length`: a packed batch filled to exactly that many tokens, or a padded one's
@@ -118,8 +122,15 @@ def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple:
             ) -> tuple[list[Sample], list[int], int]:
     """With data.too_long = "skip": the samples whose padded length fits a microbatch (T packed, S padded),
     their dataset indices, and how many were dropped (the reference drops the same ones). Otherwise all."""
-    budget = limit(cfg)[1]
-    if not budget or cfg.data.too_long != "skip":
+    key, budget = limit(cfg)
+    if not budget:
+        return samples, indices, 0
+    if cfg.data.too_long != "skip":  # the built-in tasks' longest was checked up front; a user's shows here
+        for s, index in zip(samples, indices):
+            if round_up(len(s), multiple) > budget:
+                raise BadSample(f"{s.where or f'sample {index} of the dataset'}: {len(s)} tokens (padded to a multiple of {multiple}: "
+                                f"{round_up(len(s), multiple)}) exceed {key} = {budget}; raise it, or set "
+                                f"data.too_long = \"skip\" to drop such samples")
         return samples, indices, 0
     keep = [i for i, s in enumerate(samples) if round_up(len(s), multiple) <= budget]
     return [samples[i] for i in keep], [indices[i] for i in keep], len(samples) - len(keep)
@@ -176,7 +187,7 @@ def balanced_runs(positions: list[int], rows: list[int], k: int) -> list[list[in
     return runs
 
 
-def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: ByteTokenizer,
+def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: Vocabulary,
                 counters: dict[str, TokenCounter], shares: dict[str, tuple[int, int]], multiple: int,
                 device: torch.device) -> StepInputs:
     """This rank's microbatches of global batch `samples`; `shares`: module → (its dp rank, its dp size); the dp
@@ -189,7 +200,7 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
     padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
-    micro, real = [], 0
+    micro, real, failed = [], 0, {}
     for llm_parts in parts:
         mine = [samples[p] for p in llm_parts[llm_rank]] if llm_rank is not None else []
         real += sum(len(s) for s in mine)
@@ -197,14 +208,27 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
         for name in counters:
             enc_rank, enc_dp = shares[name]
             enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
-            if enc_rank is not None:
-                items[name] = [it.to(device) for p in enc_parts[enc_rank] for it in samples[p].items(name)]
+            if enc_rank is not None:  # only this replica's items are decoded (a user's files: here)
+                items[name] = [x.to(device) for p in enc_parts[enc_rank] for x in _decode(samples, p, name, failed)]
             counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])
-        llm = collate(mine, cfg, tok, multiple, length, padded_rows).to(device) if llm_rank is not None else None
+        # the LLM's part goes without media: the encoders' parts above carry them
+        text = [dataclasses.replace(s, images=[], audio=[]) for s in mine]
+        llm = collate(text, cfg, tok, multiple, length, padded_rows).to(device) if llm_rank is not None else None
         micro.append(StepBatch(llm, items, counts))
     stats = {}
     if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
         stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
-    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats, sum(len(s) for s in samples))
+    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats, sum(len(s) for s in samples),
+                      {indices[p]: message for p, message in failed.items()})
+
+
+def _decode(samples: list[Sample], p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:
+    """Sample `p`'s items for encoder `name`, decoded; a file that fails to decode is noted in `failed` (the
+    step's callers agree on such samples across ranks) and gives no items."""
+    try:
+        return [decoded(item) for item in samples[p].items(name)]
+    except BadSample as e:
+        failed[p] = str(e)
+        return []

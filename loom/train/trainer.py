@@ -12,14 +12,11 @@ import torch.distributed as dist
 from loom.config import JobConfig
 from loom.data.sample import Sample
 from loom.distributed import CollectiveStalled, is_stalled_collective, stalled_message
-from loom.data.tokenizer import ByteTokenizer
 from loom.train.build import (
     build_batches,
-    build_datasets,
     build_job_model,
     initial_weights,
     check_data,
-    longest_samples,
     resolve_device,
     setup_parallel,
     step_inputs,
@@ -32,6 +29,7 @@ from loom.train.heldout import heldout_metrics
 from loom.train.metrics import MetricsLogger
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
+from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
 from loom.train.step import StepResult
 
 
@@ -44,20 +42,23 @@ class Trainer:
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)  # initial weights are seeded per name; this seeds any later draw
         self.device = device or resolve_device(cfg.train.device)
-        self.tok = ByteTokenizer()
+        self.tok = job_tokenizer(cfg)
+        cfg = with_vocabulary(cfg, self.tok)  # the placeholders a pretrained tokenizer lacked get embedding rows
         self.resume_from = resume_path(cfg.run.resume, cfg.run.out_dir)  # files only: the same on every rank
         self.model = build_job_model(cfg, self.tok)  # on meta until setup_parallel gives this rank its shards
+        self.counters = token_counters(self.model)
+        # every data line checked (a bad one stops the run) before any weight is read
+        self.data = build_job_data(cfg, self.tok, self.counters)
         # a resumed run takes its weights from the checkpoint: no Hugging Face folder is read
         weights = initial_weights(self.model, cfg, pretrained=self.resume_from is None)
-        self.counters = token_counters(self.model)
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
-        self.cfg = cfg = with_padded_length(cfg, longest_samples(cfg, self.tok, self.counters), layout_multiple(cfg))
+        self.cfg = cfg = with_padded_length(cfg, self.data.longest, layout_multiple(cfg))
         self.weight_aliases = tied_aliases(self.model)  # taken before a pipeline split unties them
         self.weight_names = set(self.model.state_dict()) - set(self.weight_aliases)
         self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model (a rank may keep part)
         self.plan = setup_parallel(self.model, cfg, self.device, weights)
         weights.close()
-        check_data(cfg, self.plan, self.tok, self.counters)
+        check_data(cfg, self.plan, self.data)
         self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
         # rank 0 asks every rank over the health group which ones stopped answering (monitored barrier); the
@@ -65,8 +66,7 @@ class Trainer:
         self.health_group = self._world_gloo_group(HEALTH) if self.plan.distributed else None
         self.save_group = self._world_gloo_group(ASYNC_SAVE) if self.plan.distributed and cfg.run.async_save else None
         self.step = 0
-        self.train_set, self.heldout = build_datasets(cfg)
-        self.batches = build_batches(cfg, self.train_set, self.tok, self.counters)
+        self.batches = build_batches(cfg, self.data)
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)["step"]
 
@@ -74,7 +74,8 @@ class Trainer:
         """One optimizer step on this rank's shares of global batch `self.step` — or, on one process, on
         the given samples."""
         if samples is None:
-            inputs = step_inputs(self.batches, self.step, self.plan, self.cfg, self.tok, self.counters, self.device)
+            inputs = step_inputs(self.batches, self.step, self.plan, self.cfg, self.tok, self.counters, self.device,
+                                 self.data.bad)
         else:
             inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
         self.last_tokens, self.last_stats = inputs.global_tokens, inputs.stats
@@ -95,7 +96,7 @@ class Trainer:
                 tokens += self.last_tokens
                 elapsed = time.perf_counter() - t0
                 log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped),
-                                    **self.last_stats})
+                                    "bad_samples": float(len(self.data.bad)), **self.last_stats})
                 status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}"
                 if r.skipped:
                     log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped on every rank")
@@ -107,6 +108,10 @@ class Trainer:
                 if cfg.run.save_every and self.step % cfg.run.save_every == 0:
                     self.checkpoint()
             log.finish_progress()
+            if self.data.bad:  # the same list on every rank: each drew every sample
+                log.print(self.data.bad.summary() + f"; all in {out / 'bad_samples.jsonl'}")
+                if self._rank0():
+                    self.data.bad.write(out / "bad_samples.jsonl")
             if not (cfg.run.save_every and self.step % cfg.run.save_every == 0):
                 self.checkpoint()  # the last step's, for run.resume = "auto"
             self.finish_save()
@@ -130,10 +135,12 @@ class Trainer:
         answers. Under a layout: loss and token accuracy from a forward-only pass under the layout
         (train/heldout.py; none yet with a pipelined LLM or non-colocated encoders) — no rank builds a second
         model; exact match is `loom eval`'s, from the checkpoint."""
-        examples = [self.heldout[i] for i in range(len(self.heldout))]
+        samples = self.data.heldout
+        if not samples:
+            return {}
         if self.plan.distributed:
-            return heldout_metrics(self.plan, self.model, examples, self.cfg, self.tok, self.counters, self.device)
-        return evaluate(self.model, examples, self.tok, self.counters, self.device, self.cfg.train.eval_max_new_tokens,
+            return heldout_metrics(self.plan, self.model, samples, self.cfg, self.tok, self.counters, self.device)
+        return evaluate(self.model, samples, self.tok, self.device, self.cfg.train.eval_max_new_tokens,
                         self.cfg.model.attention)
 
     def checkpoint(self) -> None:

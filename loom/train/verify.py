@@ -18,15 +18,12 @@ from rich.table import Table
 from torch.distributed.tensor import DTensor
 
 from loom.config import JobConfig
-from loom.data.tokenizer import ByteTokenizer
 from loom.train.build import (
     build_batches,
-    build_datasets,
     build_job_model,
     initial_weights,
     check_data,
     global_batch,
-    longest_samples,
     resolve_device,
     setup_parallel,
     step_inputs,
@@ -37,6 +34,7 @@ from loom.parallel.tied import tied_copy_names
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
+from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
 from loom.train.step import StepComms, train_step
 
 AGAINST = ("layout", "compile", "bf16")
@@ -80,26 +78,29 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     checked = checked_config(cfg, against, distributed)
     tolerances = DEFAULT_TOLERANCES[checked.train.dtype] if tolerance is None else Tolerances.uniform(tolerance)
     device = device or resolve_device(cfg.train.device)
-    tok = ByteTokenizer()
+    tok = job_tokenizer(cfg)
+    cfg = with_vocabulary(cfg, tok)
+    checked = dataclasses.replace(checked, model=cfg.model)
     model = build_job_model(cfg, tok)  # on meta: setup_parallel gives this rank storage for its shards only
+    counters = token_counters(model)
+    data = build_job_data(cfg, tok, counters)
     weights = initial_weights(model, cfg)
     reference = build_job_model(cfg, tok)
     materialize(reference, device, weights)  # whole, never parallelised or compiled, fp32
-    counters = token_counters(reference)
-    cfg = with_padded_length(cfg, longest_samples(cfg, tok, counters), layout_multiple(cfg))  # bshd: S fixed
+    cfg = with_padded_length(cfg, data.longest, layout_multiple(cfg))  # bshd: S fixed
     checked = dataclasses.replace(checked, data=cfg.data)
     plan = setup_parallel(model, checked, device, weights)
     weights.close()
-    check_data(cfg, plan, tok, counters)
+    check_data(cfg, plan, data)
     modules = [*reference.encoder_names, "language"]
     optimizer, ref_optimizer = ModuleOptimizers(model, plan.hosted, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
-    batches = build_batches(cfg, build_datasets(cfg)[0], tok, counters)
+    batches = build_batches(cfg, data)
     eager_fp32 = dataclasses.replace(cfg.train, compile=False, dtype="fp32")
     out = console or Console(width=170)
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
     checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
     for step in range(steps):
-        mine = step_inputs(batches, step, plan, checked, tok, counters, device)
+        mine = step_inputs(batches, step, plan, checked, tok, counters, device, data.bad)
         full = StepInputs.of(collate(global_batch(batches, step, cfg, plan)[0], cfg, tok).to(device))  # the whole global batch at once
         ref_before, ref_grads = parameters(reference), {}
         ref = train_step(reference, ref_optimizer, full, eager_fp32, step, StepComms(),

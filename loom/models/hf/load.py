@@ -126,7 +126,9 @@ class HFWeights:
     shape (missing, unexpected or mis-shaped tensors are one error naming each), so a wrong folder fails
     before any weight is read. `read(name, box)` then reads just that part of a tensor — a rank its shard."""
 
-    def __init__(self, folder: str | Path, module: nn.Module) -> None:
+    def __init__(self, folder: str | Path, module: nn.Module, grown: tuple[str, ...] = ()) -> None:
+        """`grown`: names whose first dim may be longer in the module than in the folder (a vocabulary grown
+        for added tokens): `rows(name)` says how many the folder has."""
         self.where = where = str(folder)
         self.kind = kind = module_kind(module)
         hf = read_hf_config(folder)
@@ -148,14 +150,18 @@ class HFWeights:
         self._stack = contextlib.ExitStack()
         self._handles: dict[Path, object] = {}
         shapes = {n: tuple(self._open(index[h]).get_slice(h).get_shape()) for n, h in names.items()}
+        self.shapes = shapes
         bad = [f"{names[n]}: checkpoint {list(shapes[n])} vs loom {n} {list(expected[n])}"
-               for n in names if shapes[n] != expected[n]]
+               for n in names if shapes[n] != expected[n] and not _grows(n in grown, shapes[n], expected[n])]
         if bad:
             self.close()
             raise HFError(f"{where}: shape mismatch for {bad}")
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
+
+    def rows(self, name: str) -> int:
+        return self.shapes[name][0]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor `name` (the module's own name), or only its part `box` (one slice per dim)."""
@@ -171,6 +177,10 @@ class HFWeights:
     def close(self) -> None:
         self._stack.close()
         self._handles.clear()
+
+
+def _grows(allowed: bool, have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    return allowed and len(have) == len(want) and have[1:] == want[1:] and have[0] <= want[0]
 
 
 def load_module(folder: str | Path, module: nn.Module, device: torch.device | str | None = None) -> LoadReport:

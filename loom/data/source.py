@@ -1,0 +1,123 @@
+"""A job's samples by index, whichever their origin: the built-in tasks (byte tokenizer) or a user's JSONL
+conversations (a Hugging Face tokenizer and its chat template). Data knows no model: how many rows an
+encoder emits for an item comes in as `counters`.
+
+Bad samples: a conversation found bad is either an error naming its file:line or, when skipped, recorded
+in `BadSamples` — the same on every rank, since every rank reads every sample of a global batch (their media
+only as far as their headers) and the few found bad only when decoding are agreed on before the step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loom.data.chat import ChatTokenizer
+from loom.data.conversation_format import MediaRules, conversation_sample
+from loom.data.conversations import BadSample, ConversationFile, blend
+from loom.data.format import TokenCounter, to_sample
+from loom.data.sample import Sample
+from loom.data.tasks import TaskDataset
+from loom.data.tokenizer import ByteTokenizer
+
+
+class TaskSamples:
+    """The built-in tasks' examples as samples."""
+
+    def __init__(self, tasks: TaskDataset, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> None:
+        self.tasks, self.tok, self.counters = tasks, tok, counters
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, i: int) -> Sample:
+        return to_sample(self.tasks[i], self.tok, self.counters)
+
+
+@dataclass(frozen=True)
+class ChatRules:
+    """How a conversation becomes a sample: the tokenizer, the media rules, which turns are targets."""
+
+    chat: ChatTokenizer
+    media: MediaRules
+    train_on: str = "assistant"
+
+
+class ConversationSamples:
+    """Position j of a mixture of JSONL files → its conversation as a sample (`positions`: (file, index))."""
+
+    def __init__(self, files: list[ConversationFile], positions: list[tuple[int, int]], rules: ChatRules,
+                 counters: dict[str, TokenCounter]) -> None:
+        self.files, self.positions, self.rules, self.counters = files, positions, rules, counters
+
+    @staticmethod
+    def mixture(files: list[ConversationFile], weights: list[float], rules: ChatRules,
+                counters: dict[str, TokenCounter]) -> ConversationSamples:
+        """One epoch of the weighted mixture: as many positions as the files hold conversations."""
+        return ConversationSamples(files, blend([len(f) for f in files], weights, sum(map(len, files))), rules,
+                                   counters)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def where(self, i: int) -> str:
+        f, k = self.positions[i]
+        return self.files[f].where(k)
+
+    def __getitem__(self, i: int) -> Sample:
+        f, k = self.positions[i]
+        r = self.rules
+        return conversation_sample(self.files[f][k], r.chat, r.media, self.counters, self.files[f].name, r.train_on)
+
+
+def split_off(files: list[ConversationFile], weights: list[float], n: int
+              ) -> tuple[list[ConversationFile], list[ConversationFile]]:
+    """(train, held-out): each file's last conversations held out, ≈ n in all, in proportion to the weights
+    (at least one from each file while n allows); each file keeps at least one to train on."""
+    total = sum(weights)
+    counts = [min(len(f) - 1, max(1 if n >= len(files) else 0, round(n * w / total))) for f, w in zip(files, weights)]
+    train = [f.only(list(range(len(f) - c))) for f, c in zip(files, counts)]
+    heldout = [f.only(list(range(len(f) - c, len(f)))) for f, c in zip(files, counts) if c]
+    return train, heldout
+
+
+@dataclass
+class BadSamples:
+    """Samples skipped under data.on_bad_sample = "skip": where (file:line) → why, in the order found."""
+
+    found: dict[str, str] = field(default_factory=dict)
+
+    def add(self, where: str, why: str) -> None:
+        self.found.setdefault(where, why)
+
+    def __len__(self) -> int:
+        return len(self.found)
+
+    def summary(self, limit: int = 3) -> str:
+        first = "; ".join(self.found[w] for w in list(self.found)[:limit])
+        return f"{len(self)} bad samples skipped (data.on_bad_sample = \"skip\"), e.g. {first}"
+
+    def write(self, path: Path) -> None:
+        """One JSON line per skipped sample: {"where": file:line, "why": message}."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"where": w, "why": m}) + "\n" for w, m in self.found.items()))
+
+
+def checked(files: list[ConversationFile], on_bad: str, bad: BadSamples) -> list[ConversationFile]:
+    """Every line of every file parsed and checked before anything is built: on error, one BadSample listing
+    the first few problems and their count; on skip, the files without those lines (each recorded)."""
+    problems = {f.path: f.problems() for f in files}
+    messages = [m for p in problems.values() for m in p.values()]
+    if messages and on_bad == "error":
+        more = f" (and {len(messages) - 5} more)" if len(messages) > 5 else ""
+        raise BadSample(f"{len(messages)} bad conversations{more}:\n  " + "\n  ".join(messages[:5]) +
+                        "\n  fix them, or set data.on_bad_sample = \"skip\" to train without them")
+    for f in files:
+        for i, m in problems[f.path].items():
+            bad.add(f.where(i), m)
+    out = [f.only([i for i in range(len(f)) if i not in problems[f.path]]) for f in files]
+    empty = [str(f.path) for f in out if not len(f)]
+    if empty:
+        raise BadSample(f"data source {empty[0]} has no usable conversation")
+    return out

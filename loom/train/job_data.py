@@ -1,0 +1,110 @@
+"""What a job trains and evaluates on, built from its config after the model's shapes and before its weights:
+the tokenizer, the training samples by index, the held-out samples, and the samples skipped as bad.
+
+Built-in tasks (no `data.sources`): the byte tokenizer, tasks drawn by index. A user's data: the Hugging Face
+tokenizer folder `model.tokenizer` with its chat template, the `[[data.sources]]` JSONL files checked line by
+line now (a bad line stops the run here, before any weight is read, or is skipped), mixed by weight; the
+held-out conversations are `data.heldout`'s, or the last `data.heldout_size` split off the sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from loom.config import ConfigError, JobConfig
+from loom.data.batch import round_up
+from loom.data.chat import ChatTokenizer
+from loom.data.conversation_format import MediaRules
+from loom.data.conversations import BadSample, ConversationFile
+from loom.data.format import TokenCounter, to_sample
+from loom.data.images import ImageRule
+from loom.data.sample import Sample, decoded
+from loom.data.source import BadSamples, ChatRules, ConversationSamples, TaskSamples, checked, split_off
+from loom.data.tasks import TaskDataset, longest_example
+from loom.data.tokenizer import ByteTokenizer, Vocabulary
+
+VOCAB_MULTIPLE = 64  # a grown vocabulary is rounded up to this, so tensor parallelism still divides it
+
+
+def job_tokenizer(cfg: JobConfig) -> Vocabulary:
+    """The byte tokenizer for the built-in tasks, else `model.tokenizer`'s (its placeholders added if missing)."""
+    if not cfg.data.sources:
+        return ByteTokenizer()
+    try:
+        return ChatTokenizer(cfg.model.tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer = {cfg.model.tokenizer!r}: {e}") from None
+
+
+def with_vocabulary(cfg: JobConfig, tok: Vocabulary) -> JobConfig:
+    """`cfg` with the LLM's vocabulary grown to hold every id of `tok` (e.g. the media placeholders a pretrained
+    tokenizer lacked), rounded up to a multiple of 64; the new embedding rows start from the model's own
+    initial draw (they feed no input — placeholders are replaced by encoder rows — and are never targets)."""
+    lm = cfg.model.language
+    if tok.vocab_size <= lm.vocab_size:
+        return cfg
+    grown = dataclasses.replace(lm, vocab_size=round_up(tok.vocab_size, VOCAB_MULTIPLE))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, language=grown))
+
+
+@dataclass
+class JobData:
+    tok: Vocabulary
+    train: Sequence[Sample]  # by index: GlobalBatches draws global batches from it
+    heldout: list[Sample]  # media decoded
+    longest: dict[str, int]  # source → its longest sample in tokens, where known before drawing (built-in tasks)
+    bad: BadSamples = field(default_factory=BadSamples)
+
+
+def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCounter]) -> JobData:
+    """`counters`: encoder → rows it emits for an item (the model's, built on meta)."""
+    d = cfg.data
+    if not d.sources:
+        sizes = dict(patch_size=cfg.model.vision.patch_size, n_audio_features=cfg.model.audio.num_features)
+        train = TaskDataset(d.tasks, "train", d.train_size, seed=d.seed, **sizes)
+        heldout = TaskSamples(TaskDataset(d.tasks, "heldout", d.heldout_size, seed=d.seed, **sizes), tok, counters)
+        longest = {f"task {t!r}": len(to_sample(longest_example(t, **sizes), tok, counters)) for t in d.tasks}
+        return JobData(tok, TaskSamples(train, tok, counters), [heldout[i] for i in range(len(heldout))], longest)
+    bad = BadSamples()
+    weights = [s.weight for s in d.sources]
+    files = checked([ConversationFile(s.path) for s in d.sources], d.on_bad_sample, bad)
+    if d.heldout:
+        held = checked([ConversationFile(d.heldout)], d.on_bad_sample, bad)
+    else:
+        files, held = split_off(files, weights, d.heldout_size)
+    rules = ChatRules(tok, media_rules(cfg), d.train_on)
+    train = ConversationSamples.mixture(files, weights, rules, counters)
+    if cfg.train.global_batch_size > len(train):
+        raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds the {len(train)} "
+                          f"training conversations of data.sources")
+    heldout = ConversationSamples.mixture(held, [1.0] * len(held), rules, counters) if held else []
+    return JobData(tok, train, _loaded(heldout, d.on_bad_sample, bad), {}, bad)
+
+
+def media_rules(cfg: JobConfig) -> MediaRules:
+    """Images: whole patches within [data.image_min_pixels, data.image_max_pixels] (default: one patch, and
+    the encoder's position grid), normalised with the vision folder's mean and std; audio: its mel bins."""
+    v, d = cfg.model.vision, cfg.data
+    p = v.patch_size
+    low, high = d.image_min_pixels or p * p, d.image_max_pixels or (v.position_grid * p) ** 2
+    try:
+        image = ImageRule.of(p, low, high, v.hf or None)
+    except ValueError as e:
+        raise ConfigError(f"data.image_min_pixels / data.image_max_pixels: {e}") from None
+    return MediaRules(image, cfg.model.audio.num_features)
+
+
+def _loaded(samples: Sequence[Sample], on_bad: str, bad: BadSamples) -> list[Sample]:
+    """Every sample with its media decoded now (the held-out set is small and read at every evaluation)."""
+    out = []
+    for i in range(len(samples)):
+        try:
+            s = samples[i]
+            out.append(dataclasses.replace(s, images=[decoded(x) for x in s.images], audio=[decoded(x) for x in s.audio]))
+        except BadSample as e:
+            if on_bad == "error":
+                raise
+            bad.add(samples.where(i), str(e))
+    return out
