@@ -245,6 +245,7 @@ def user_data_overrides(root: Path, *extra: str) -> list[str]:
     jsonl = root / "data" / "data.jsonl"
     if not jsonl.is_file():
         write_user_data(root / "data")
+    if not (root / "tok" / "tokenizer.json").is_file():
         (root / "tok").mkdir(exist_ok=True)
         tiny_chat_tokenizer(root / "tok")
     return [f"--model.tokenizer={root / 'tok'}", f'--data.sources=[{{path = "{jsonl}", weight = 1.0}}]',
