@@ -143,3 +143,11 @@ def test_dataset_round_robin_and_len():
     with pytest.raises(IndexError):
         data[10]
     assert len(list(data)) == 10  # plain iteration stops at the end
+
+
+def test_tone_wave_is_the_waveform_behind_a_tones_example():
+    wave, rate, answer = T.tone_wave("heldout", 3, seed=5)
+    example = make_example("tones", "heldout", 3, seed=5, **SIZES)
+    assert rate == T.SAMPLE_RATE and answer == example.answer
+    features = T.log_mel(torch.from_numpy(wave.astype("float32")), SIZES["n_audio_features"])
+    assert torch.equal(features, example.audio[0])  # the same draws: its log-mel is the example's, bit for bit

@@ -185,7 +185,8 @@ def log_mel(wave: torch.Tensor, n_mels: int) -> torch.Tensor:
     return (torch.log(mel + 1e-6) + LOG_MEL_SHIFT) / LOG_MEL_SCALE
 
 
-def _make_tones(rng: np.random.Generator, n_audio_features: int) -> Example:
+def _tone_wave(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """A noisy float64 waveform at SAMPLE_RATE of 1-3 tones and its answer ("low high")."""
     n_tones = int(rng.integers(1, 4))
     classes = rng.integers(len(TONE_NAMES), size=n_tones)
     pieces = [np.zeros(int(rng.uniform(*EDGE_SECONDS) * SAMPLE_RATE))]
@@ -200,8 +201,20 @@ def _make_tones(rng: np.random.Generator, n_audio_features: int) -> Example:
     pieces.append(np.zeros(int(rng.uniform(*EDGE_SECONDS) * SAMPLE_RATE)))
     wave = np.concatenate(pieces)
     wave = wave + rng.normal(0.0, rng.uniform(0.005, 0.02), size=wave.shape)
+    return wave, " ".join(TONE_NAMES[c] for c in classes)
+
+
+def tone_wave(split: str, index: int, *, seed: int) -> tuple[np.ndarray, int, str]:
+    """(waveform, its sample rate, answer) behind ``make_example("tones", split, index, seed=seed, ...)``:
+    the clip before its log-mel, e.g. to write it as an audio file."""
+    _check("tones", split)
+    wave, answer = _tone_wave(_rng("tones", split, index, seed))
+    return wave, SAMPLE_RATE, answer
+
+
+def _make_tones(rng: np.random.Generator, n_audio_features: int) -> Example:
+    wave, answer = _tone_wave(rng)
     features = log_mel(torch.from_numpy(wave.astype(np.float32)), n_audio_features)
-    answer = " ".join(TONE_NAMES[c] for c in classes)
     return Example(task="tones", prompt=PROMPTS["tones"], answer=answer, audio=[features])
 
 
