@@ -170,7 +170,7 @@ def write_split(data: Path, split: str, size: int, task_names: list[str], seed: 
             media = {"type": "image", "path": f"img/{split}-{i:06d}.png"}
             to_png(ex.images[0], data / media["path"])
         user = [media, {"type": "text", "text": prompt_for(task, split, index, seed)}]
-        lines.append({"messages": [{"role": "user", "content": user},
+        lines.append({"task": task, "messages": [{"role": "user", "content": user},
                                    {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
         counts[task] += 1
     (data / f"{split}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

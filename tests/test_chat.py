@@ -44,7 +44,7 @@ def test_ids_match_transformers_and_targets_are_the_assistant_turns(folder):
     assert ids == want
     decode = chat.tokenizer.decode
     assert decode([t for t, y in zip(ids, targets) if y], skip_special_tokens=False) == \
-        "A cat.<|im_end|>\nA dog.<|im_end|>\n"
+        "A cat.<|im_end|>A dog.<|im_end|>"
 
 
 def test_each_placeholder_becomes_as_many_as_its_item_has_rows(folder):

@@ -38,8 +38,11 @@ def test_a_conversation_becomes_a_sample_sized_by_its_encoders(tmp_path):
     assert s.tokens.count(chat.placeholder_ids["vision"]) == vision.num_tokens(s.images[0]) == 60
     assert s.tokens.count(chat.placeholder_ids["audio"]) == audio.num_tokens(s.audio[0]) == 25
     said = chat.tokenizer.decode([t for t, y in zip(s.tokens, s.supervised) if y], skip_special_tokens=False)
-    assert said == "A cat.<|im_end|>\n" and s.task == "d"
+    assert said == "A cat.<|im_end|>" and s.task == "d"
     with pytest.raises(BadSample, match=r"d\.jsonl:2: no assistant turn"):
         data[1]
+    (tmp_path / "t.jsonl").write_text(json.dumps({"task": "cats", **line}))
+    assert conversation_sample(ConversationFile(tmp_path / "t.jsonl")[0], chat, rules, counters, task="t").task == "cats"
+
     with pytest.raises(BadSample, match=r"d\.jsonl:1: has audio items but the model has no audio encoder"):
         conversation_sample(data[0], chat, rules, {"vision": vision.num_tokens})

@@ -57,6 +57,7 @@ BAD = [
      "messages[1].content[0]: image file 'img/missing.png' not found"),
     (_with(m1={"role": "user", "content": [{"type": "text"}]}), "a text part needs a \"text\" string"),
     ({"messages": [GOOD["messages"][1]]}, "no assistant turn"),
+    ({**GOOD, "task": 7}, "\"task\" must be a non-empty string"),
 ]
 
 

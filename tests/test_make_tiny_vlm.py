@@ -106,7 +106,7 @@ def test_every_conversation_tokenises_with_targets_exactly_on_the_answer(out):
             s = conversation_sample(conv, chat, rules, counters)
             said = chat.tokenizer.decode([t for t, y in zip(s.tokens, s.supervised) if y], skip_special_tokens=False)
             answer = lines[i]["messages"][1]["content"][0]["text"]
-            assert said == answer + "<|im_end|>\n", conv.where  # the template's end of turn is the model's to say
+            assert said == answer + "<|im_end|>", conv.where  # the end-of-turn token is the model's to say; the newline after it is not
             for image, path in zip(s.images, conv.media("image")):
                 with Image.open(path) as png:
                     assert png.mode == "RGB" and (png.height % p, png.width % p) == (0, 0)
@@ -141,3 +141,25 @@ def test_transformers_loads_the_folders_with_loom_s_outputs(out):
         ref = transformers.SiglipVisionModel.from_pretrained(out / "vision").eval()(images).last_hidden_state
         ours = build_pretrained(out / "vision").eval()(list(images))
         assert (ref.flatten(0, 1) - ours).abs().max() <= 1e-5
+
+
+def test_examples_jsonl_toml_trains_on_the_folders_under_its_layout(out, tmp_path, capsys):
+    """CI's short form of `loom train examples/jsonl.toml`: its 4-rank heterogeneous layout, a few steps,
+    the held-out evaluation per task (the lines' "task") and the launcher's generation on the checkpoint."""
+    import loom.cli
+
+    config = SCRIPT.parent / "jsonl.toml"
+    run = tmp_path / "run"
+    code = loom.cli.main([
+        "train", str(config), f"--model.tokenizer={out / 'tokenizer'}", f"--model.language.hf={out / 'llm'}",
+        f"--model.vision.hf={out / 'vision'}", f"--data.heldout={out / 'data' / 'heldout.jsonl'}",
+        f'--data.sources=[{{path = "{out / "data" / "train.jsonl"}", weight = 1.0}}]',
+        "--train.steps=2", "--train.global_batch_size=8", f"--run.out_dir={run}", "--run.tensorboard=false",
+        "--run.progress=false", "--train.eval_max_new_tokens=3"])
+    assert code == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    heldout = [r for r in records if r["kind"] == "heldout"]
+    assert len(heldout) == 1 and {"token_accuracy/digits", "token_accuracy/tones"} <= heldout[0].keys()
+    printed = capsys.readouterr().out
+    assert "exact match" in printed and "chance" in printed  # the tasks' names carry their chance level

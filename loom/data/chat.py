@@ -11,8 +11,8 @@ grow by as many rows).
 
 Loss mask: only assistant turns are targets. Each assistant turn's text is found by rendering the
 conversation up to it twice — with the generation prompt before it, and with it — so the difference is
-exactly what the model must produce (its content and the template's end-of-turn text); a token is supervised
-when its characters lie inside such a span.
+exactly what the model must produce: its content up to and including its last end-of-turn (eos) token, so
+generation stops where the target ends; a token is supervised when its characters lie inside such a span.
 """
 
 from __future__ import annotations
@@ -100,7 +100,9 @@ class ChatTokenizer:
                 raise BadSample(f"{conv.where}: the chat template does not render this conversation turn by "
                                 f"turn (turn {k} changes the text before it), so the assistant's tokens cannot "
                                 f"be told apart")
-            spans.append((len(before), len(upto)))
+            end = upto.rfind(self.specials["eos_token"], len(before)) if self.specials["eos_token"] else -1
+            # the turn's target ends with its end-of-turn token (where generation stops), not the newline after it
+            spans.append((len(before), end + len(self.specials["eos_token"]) if end >= 0 else len(upto)))
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         ids, targets = [], []
         taken = dict.fromkeys(rows, 0)

@@ -31,4 +31,4 @@ def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRul
     rows = {module: [counters[module](x) for x in items] for module, items in (("vision", images), ("audio", clips))
             if items}
     ids, targets = chat.encode(conv, rows, train_on)
-    return Sample(ids, targets, images, clips, task, conv.where)
+    return Sample(ids, targets, images, clips, conv.task or task, conv.where)

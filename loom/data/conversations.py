@@ -6,7 +6,8 @@ One conversation per line:
                                                {"type": "text", "text": "What is this?"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
 
-`content` may also be a plain string (one text part); `{"type": "audio", "path": "a.wav"}` adds a clip.
+`content` may also be a plain string (one text part); `{"type": "audio", "path": "a.wav"}` adds a clip; an
+optional `"task": "name"` groups the line in held-out metrics (default: the file's stem).
 Paths are relative to the JSONL file. A file is indexed once (the byte offset of every non-blank line) and
 a line is parsed and checked only when read, so a large file costs no memory up front; every problem is a
 `BadSample` naming file:line, the same on every rank (they all read the same bytes).
@@ -47,6 +48,7 @@ class Turn:
 class Conversation:
     turns: tuple[Turn, ...]
     where: str  # "file:line", for every later message about this sample
+    task: str | None = None  # the line's optional "task": its group in held-out metrics (else the file's stem)
 
     def media(self, kind: str) -> list[Path]:
         """The files of one kind ("image" or "audio") in conversation order."""
@@ -65,7 +67,10 @@ def parse_conversation(line: str, where: str, base: Path) -> Conversation:
     turns = tuple(_turn(m, f"{where}: messages[{i}]", base) for i, m in enumerate(messages))
     if not any(t.role == "assistant" and t.parts for t in turns):
         raise BadSample(f"{where}: no assistant turn: nothing to learn from this conversation")
-    return Conversation(turns, where)
+    task = record.get("task")
+    if task is not None and (not isinstance(task, str) or not task):
+        raise BadSample(f"{where}: \"task\" must be a non-empty string (it names the sample's group in metrics)")
+    return Conversation(turns, where, task)
 
 
 def _turn(message, where: str, base: Path) -> Turn:
