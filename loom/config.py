@@ -7,6 +7,7 @@ Every problem is reported before any model is built, with the dotted key, the va
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,9 @@ class TrainConfig:
 class RunConfig:
     out_dir: str = "runs/default"
     tensorboard: bool = True
+    wandb: bool = False  # Weights & Biases next to TensorBoard (pip install 'loom[wandb]')
+    wandb_project: str = "loom"
+    wandb_mode: str = choice("online", "online", "offline")  # offline: written under out_dir/wandb, synced later
     progress: bool = True  # live progress bar; plain log lines when false or not a terminal
     save_every: int = 0  # 0: save a checkpoint only at the end
     async_save: bool = False  # write checkpoints in the background (host copy first); published at the next save
@@ -290,6 +294,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "checkpoint needs blocks without graph breaks (loom's CPU/fp32 and context-parallel attention break "
             "them); use 'full' with compile, or 'selective' without it"
         )
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb = true needs the wandb package, which is not installed: "
+                          "pip install 'loom[wandb]' (or set run.wandb = false)")
     declared = cfg.layout.world_size
     if declared and world_size and declared != world_size:
         raise ConfigError(f"layout.world_size = {declared} but the launcher started {world_size} ranks")

@@ -3,6 +3,7 @@ under torchrun with the configured layout (the step code is the same; see loom.t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from loom.checkpoint.folders import clear_staging, publish, resume_path, staging
 from loom.checkpoint.sharded import begin_save, load_sharded, tied_aliases
 from loom.train.evaluate import evaluate, heldout_report
 from loom.train.heldout import heldout_metrics
-from loom.train.metrics import MetricsLogger
+from loom.train.metrics import MetricsLogger, WandbRun
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
@@ -85,7 +86,9 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         cfg, out = self.cfg, Path(self.cfg.run.out_dir)
-        log = MetricsLogger(out, cfg.train.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.plan.is_logger)
+        wandb = WandbRun(cfg.run.wandb_project, cfg.run.wandb_mode, dataclasses.asdict(cfg)) if cfg.run.wandb else None
+        log = MetricsLogger(out, cfg.train.steps, cfg.run.tensorboard, cfg.run.progress, enabled=self.plan.is_logger,
+                            wandb=wandb)
         where = f"{dist.get_world_size()} ranks" if self.plan.distributed else str(self.device)
         log.print(f"loom: {self.n_params / 1e6:.2f}M parameters on {where}, "
                   f"{cfg.train.steps} steps → {out}")
