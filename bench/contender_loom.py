@@ -7,7 +7,8 @@ import torch
 from bench.flops import matmul_params
 from bench.mm_bench import flops_of
 from loom.data.tokenizer import ByteTokenizer
-from loom.train.build import build_job_model, setup_parallel, step_inputs, token_counters
+from loom.train.build import build_job_model, setup_parallel, token_counters
+from loom.train.step_data import step_inputs
 from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs
 

@@ -61,6 +61,9 @@ class DataConfig:
     # (not listed: T per LLM microbatch served, always enough; a call with more rows compiles again)
     encoder_rows_per_microbatch: dict = field(default_factory=dict)
     seed: int = 0
+    # processes preparing the coming steps (samples, plan, this rank's media decoded) while one trains; 0: in step
+    workers: int = 2
+    prefetch_steps: int = 2  # steps each worker holds ready
 
 
 @dataclass
@@ -218,6 +221,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "data.train_size": d.train_size,
             "data.heldout_size": d.heldout_size,
             "data.pad_to_multiple": d.pad_to_multiple,
+            "data.prefetch_steps": d.prefetch_steps,
             "parallel.blocks_per_unit": cfg.parallel.blocks_per_unit,
             "parallel.timeout_s": cfg.parallel.timeout_s,
             "model.language.num_layers": m.language.num_layers,
@@ -234,6 +238,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "train.eval_every": t.eval_every,
             "data.tokens_per_microbatch": d.tokens_per_microbatch,
             "data.padded_length": d.padded_length,
+            "data.workers": d.workers,
             "run.save_every": cfg.run.save_every,
             "run.keep_last": cfg.run.keep_last,
         }

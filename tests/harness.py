@@ -8,6 +8,7 @@ so CI never hangs. Spawning 8 ranks costs ~15 s on the 2-core CI machine, hence 
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import queue
@@ -59,11 +60,13 @@ class World:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, size, port, list(sys.path), self._tasks[r], self._results), daemon=True)
+            # not daemonic: a rank may start processes of its own (the DataLoader's workers, data.workers)
+            ctx.Process(target=_worker, args=(r, size, port, list(sys.path), self._tasks[r], self._results))
             for r in range(size)
         ]
         for p in self._procs:
             p.start()
+        atexit.register(self.kill)  # runs before multiprocessing joins its children at exit: none is left waiting
         self.alive = True
 
     def run(self, fn: Callable, *args, timeout: float = 120.0, **kwargs) -> list:

@@ -30,6 +30,17 @@ def test_cp_long_small_runs_on_two_cpu_ranks():
     assert result["loss"] > 0
 
 
+def test_loader_bench_small_writes_its_files_and_measures_every_worker_count(tmp_path):
+    """bench/loader_bench.py --small: JPEG/WAV conversations written, each worker count pulls the same samples."""
+    cmd = [sys.executable, "bench/loader_bench.py", str(tmp_path), "--small", "--steps", "2", "--global-batch", "4",
+           "--conversations", "16", "--workers", "0", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["workers"] for r in rows] == [0, 1] and rows[0]["tokens_per_sample"] == rows[1]["tokens_per_sample"]
+    assert len(list(tmp_path.glob("media/*.jpg"))) == 16 and len(list(tmp_path.glob("media/*.wav"))) == 4
+
+
 def test_flops_by_hand():
     layers = nn.Sequential(nn.Linear(3, 5), nn.Conv2d(2, 4, 3), nn.Conv1d(4, 6, 3), nn.Embedding(10, 7),
                            nn.LayerNorm(5))

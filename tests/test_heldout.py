@@ -54,7 +54,8 @@ def _heldout_under_layout(overrides: list[str]) -> dict:
     from loom.data.tokenizer import ByteTokenizer
     from loom.parallel.materialize import materialize
     from loom.train.build import build_batches, build_job_model, initial_weights, setup_parallel
-    from loom.train.build import step_inputs, token_counters
+    from loom.train.build import token_counters
+    from loom.train.step_data import step_inputs
     from loom.train.job_data import build_job_data
     from loom.train.heldout import heldout_metrics
     from loom.train.optim import ModuleOptimizers

@@ -59,7 +59,7 @@ def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict
     from loom.config import load_config
     from loom.data.batch import IGNORE_INDEX
     from loom.parallel.compile import compiled_frames
-    from loom.train.build import step_inputs
+    from loom.train.step_data import step_inputs
     from loom.train.trainer import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else None

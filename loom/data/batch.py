@@ -33,21 +33,21 @@ class Batch:
         ids = self.input_ids if self.host_ids is None else self.host_ids
         return int((ids == token_id).sum())
 
-    def to(self, device: torch.device | str) -> Batch:
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """Page-locked host copies, so `.to(cuda, non_blocking=True)` overlaps the copy (DataLoader calls it)."""
+        return self.map(torch.Tensor.pin_memory)
+
+    def map(self, fn) -> Batch:
+        """Every tensor through `fn`; the host ids stay on the host."""
         lay = self.layout
-        layout = replace(
-            lay,
-            cu_seqlens=None if lay.cu_seqlens is None else lay.cu_seqlens.to(device),
-            pad_mask=None if lay.pad_mask is None else lay.pad_mask.to(device),
-        )
-        return Batch(
-            self.input_ids.to(device),
-            self.labels.to(device),
-            self.positions.to(device),
-            layout,
-            {k: [t.to(device) for t in v] for k, v in self.modality_inputs.items()},
-            self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids,
-        )
+        layout = replace(lay, cu_seqlens=None if lay.cu_seqlens is None else fn(lay.cu_seqlens),
+                         pad_mask=None if lay.pad_mask is None else fn(lay.pad_mask))
+        return Batch(fn(self.input_ids), fn(self.labels), fn(self.positions), layout,
+                     {k: [fn(t) for t in v] for k, v in self.modality_inputs.items()},
+                     self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids)
 
 
 def shifted_labels(sample: Sample) -> list[int]:

@@ -17,18 +17,15 @@ T = TypeVar("T")
 
 
 class GlobalBatches(Generic[T]):
-    def __init__(self, dataset: Sequence, global_batch_size: int, seed: int, transform: Callable[..., T] = lambda x: x,
-                 on_bad: Callable[[int, BadSample], None] | None = None) -> None:
-        """`on_bad`: called with a dataset index and the BadSample its transform raised, which then reads as
-        None in every shard (skipped); without it the BadSample propagates."""
+    def __init__(self, dataset: Sequence, global_batch_size: int, seed: int,
+                 transform: Callable[..., T] = lambda x: x) -> None:
         if global_batch_size > len(dataset):
             raise ValueError(f"global batch size {global_batch_size} exceeds the dataset size {len(dataset)}")
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.transform = transform
-        self.on_bad = on_bad
-        self.dropped: set[int] = set()  # indices found bad: None whenever drawn again
+        self.dropped: set[int] = set()  # indices found bad and reported: None whenever drawn again
         self._perm_epoch, self._perm = -1, None
         self._step, self._samples = -1, {}  # the current step's transformed samples, by dataset index
 
@@ -50,8 +47,9 @@ class GlobalBatches(Generic[T]):
         self.dropped.add(index)
         self._samples[index] = None
 
-    def shard(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list[T | None]:
-        """This replica's samples of global batch `step`, transformed (None: a bad one, skipped)."""
+    def shard(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list[T | BadSample | None]:
+        """This replica's samples of global batch `step`, transformed: a BadSample where the transform found
+        the item bad (the caller reports it and `drop`s it), None where it was dropped before."""
         idx = self.indices(step)
         if len(idx) % dp_size:
             raise ValueError(f"global batch size {len(idx)} is not divisible by dp={dp_size}")
@@ -65,12 +63,8 @@ class GlobalBatches(Generic[T]):
             out.append(self._samples[i])
         return out
 
-    def _transformed(self, i: int) -> T | None:
+    def _transformed(self, i: int) -> T | BadSample:
         try:
             return self.transform(self.dataset[i])
-        except BadSample as e:
-            if self.on_bad is None:
-                raise
-            self.on_bad(i, e)
-            self.dropped.add(i)
-            return None
+        except BadSample as e:  # the same on every rank: they all read the same bytes
+            return e

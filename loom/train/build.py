@@ -13,11 +13,9 @@ from loom.bridge.colocated import ColocatedBridge
 from loom.bridge.first_stage import FirstStageBridge
 from loom.bridge.p2p import P2PBridge
 from loom.config import JobConfig
-from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
-from loom.data.source import BadSamples
 from loom.data.tokenizer import Vocabulary
 from loom.models.hf import HFWeights
 from loom.models.multimodal import MultimodalModel, build_model
@@ -29,7 +27,7 @@ from loom.parallel.pipeline import Pipeline
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
-from loom.train.inputs import StepInputs, check_longest, fitting, plan_inputs
+from loom.train.inputs import StepInputs, check_longest
 from loom.train.job_data import JobData
 from loom.train.optim import GradNormShare, freeze_modules
 from loom.train.noncolocated_step import (
@@ -84,13 +82,8 @@ def token_counters(model: MultimodalModel) -> dict[str, TokenCounter]:
 
 
 def build_batches(cfg: JobConfig, data: JobData) -> GlobalBatches[Sample]:
-    """Global batches of the job's training samples; with data.on_bad_sample = "skip" a sample found bad when
-    drawn is recorded in `data.bad` and left out (every rank draws every sample: they all skip it)."""
-    def skip(index: int, e: BadSample) -> None:
-        data.bad.add(getattr(data.train, "where", str)(index), str(e))
-
-    on_bad = skip if cfg.data.on_bad_sample == "skip" else None
-    return GlobalBatches(data.train, cfg.train.global_batch_size, cfg.data.seed, on_bad=on_bad)
+    """Global batches of the job's training samples (a sample found bad when drawn: train/step_data.py)."""
+    return GlobalBatches(data.train, cfg.train.global_batch_size, cfg.data.seed)
 
 
 @dataclass
@@ -237,46 +230,3 @@ def norm_share(topo: Topology, modules: list[str]) -> GradNormShare:
 def check_data(cfg: JobConfig, plan: RankPlan, data: JobData) -> None:
     """Data problems found before the first step, on every rank alike."""
     check_longest(cfg, data.longest, plan.sample_multiple)
-
-
-def global_batch(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, plan: RankPlan
-                 ) -> tuple[list[Sample], list[int], int]:
-    """Global batch `step` as every layout and the reference train on it: samples, dataset indices, and how
-    many were skipped as too long (bad ones, None in the shard, are left out here)."""
-    drawn = [(s, i) for s, i in zip(batches.shard(step), batches.indices(step)) if s is not None]
-    if not drawn:
-        raise BadSample(f"step {step + 1}: every sample of the global batch is bad (data.on_bad_sample = "
-                        f"\"skip\"); nothing is left to train on")
-    return fitting([s for s, _ in drawn], [i for _, i in drawn], cfg, plan.sample_multiple)
-
-
-def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: JobConfig, tok: Vocabulary,
-                counters: dict[str, TokenCounter], device: torch.device, bad: BadSamples | None = None
-                ) -> StepInputs:
-    """This rank's microbatches of global batch `step` (train/inputs.py). A file that fails to decode is found
-    only by a rank that decodes it, so every rank learns of such samples before the step (`plan.data_group`);
-    then all stop naming it (data.on_bad_sample = "error") or all plan the step again without it."""
-    while True:
-        samples, indices, skipped = global_batch(batches, step, cfg, plan)
-        inputs = plan_inputs(samples, indices, cfg, tok, counters, plan.shares, plan.sample_multiple, device)
-        failed = agreed(inputs.failed, plan.data_group)
-        if not failed:
-            break
-        if cfg.data.on_bad_sample == "error" or bad is None:
-            raise BadSample(failed[min(failed)])
-        for index, why in failed.items():
-            batches.drop(index)
-            bad.add(samples[indices.index(index)].where, why)
-    if skipped:
-        inputs.stats["skipped_too_long"] = float(skipped)
-    return inputs
-
-
-def agreed(failed: dict[int, str], group: dist.ProcessGroup | None) -> dict[int, str]:
-    """The union of every rank's `failed` (one small gather over the data group, a gloo group of the world;
-    none when the data has no files to decode)."""
-    if group is None:
-        return failed
-    everyone: list[dict[int, str]] = [{} for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(everyone, failed, group=group)
-    return {i: why for found in everyone for i, why in found.items()}

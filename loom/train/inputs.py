@@ -59,10 +59,24 @@ class StepInputs:
     # dataset index → why: samples whose files failed to decode here (found only by the rank that decodes
     # them; the step must not start until every rank knows them, train/build.py's step_inputs)
     failed: dict[int, str] = field(default_factory=dict)
+    indices: list[int] = field(default_factory=list)  # the dataset indices the microbatches hold
 
     @staticmethod
     def of(batch: Batch, tokens: int = 0) -> StepInputs:
         return StepInputs([StepBatch.of(batch)], batch.num_supervised, tokens, global_tokens=tokens)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> StepInputs:
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking), lambda b: b.to(device, non_blocking))
+
+    def pin_memory(self) -> StepInputs:
+        """Page-locked host copies (the DataLoader's pinning thread calls it), for asynchronous copies."""
+        return self.map(torch.Tensor.pin_memory, Batch.pin_memory)
+
+    def map(self, item_fn, batch_fn) -> StepInputs:
+        micro = [StepBatch(None if m.llm is None else batch_fn(m.llm),
+                           {k: [item_fn(x) for x in v] for k, v in m.encoder_items.items()}, m.rows)
+                 for m in self.microbatches]
+        return dataclasses.replace(self, microbatches=micro)
 
 
 def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: int | None = None,
@@ -221,7 +235,7 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
         stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
     return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats, sum(len(s) for s in samples),
-                      {indices[p]: message for p, message in failed.items()})
+                      {indices[p]: message for p, message in failed.items()}, list(indices))
 
 
 def _decode(samples: list[Sample], p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:

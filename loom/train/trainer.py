@@ -20,7 +20,6 @@ from loom.train.build import (
     check_data,
     resolve_device,
     setup_parallel,
-    step_inputs,
     token_counters,
 )
 from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
@@ -32,6 +31,7 @@ from loom.train.optim import ModuleOptimizers
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
 from loom.train.step import StepResult
+from loom.train.step_data import StepPrefetcher, plan_step, step_inputs
 
 
 ASYNC_SAVE = "checkpoint: async save writer (gloo)"  # the registry's names for the trainer's own groups
@@ -70,13 +70,17 @@ class Trainer:
         self.batches = build_batches(cfg, self.data)
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)["step"]
+        self.prefetch = StepPrefetcher(
+            self.batches, lambda s: plan_step(self.batches, s, cfg, self.tok, self.counters, self.plan.shares,
+                                              self.plan.sample_multiple),
+            cfg.train.steps, cfg.data.workers, cfg.data.prefetch_steps, pin=self.device.type == "cuda")
 
     def train_step(self, samples: list[Sample] | None = None) -> StepResult:
         """One optimizer step on this rank's shares of global batch `self.step` — or, on one process, on
         the given samples."""
         if samples is None:
             inputs = step_inputs(self.batches, self.step, self.plan, self.cfg, self.tok, self.counters, self.device,
-                                 self.data.bad)
+                                 self.data.bad, prepared=self.prefetch.get(self.step))
         else:
             inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
         self.last_tokens, self.last_stats = inputs.global_tokens, inputs.stats
@@ -130,6 +134,7 @@ class Trainer:
                                                         self.health_group)) from e
             raise
         finally:
+            self.prefetch.close()
             log.close()
         return final
 

@@ -23,10 +23,8 @@ from loom.train.build import (
     build_job_model,
     initial_weights,
     check_data,
-    global_batch,
     resolve_device,
     setup_parallel,
-    step_inputs,
     token_counters,
 )
 from loom.parallel.materialize import materialize
@@ -36,6 +34,7 @@ from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
 from loom.train.step import StepComms, train_step
+from loom.train.step_data import global_batch, step_inputs
 
 AGAINST = ("layout", "compile", "bf16")
 
@@ -101,7 +100,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
     for step in range(steps):
         mine = step_inputs(batches, step, plan, checked, tok, counters, device, data.bad)
-        full = StepInputs.of(collate(global_batch(batches, step, cfg, plan)[0], cfg, tok).to(device))  # the whole global batch at once
+        full = StepInputs.of(collate(global_batch(batches, step, cfg, plan.sample_multiple), cfg, tok).to(device))  # the whole global batch at once
         ref_before, ref_grads = parameters(reference), {}
         ref = train_step(reference, ref_optimizer, full, eager_fp32, step, StepComms(),
                          inspect_grads=lambda m: ref_grads.update(gradients(m)))
