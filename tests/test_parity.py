@@ -17,6 +17,7 @@ SP = ["--layout.language.sequence_parallel=true"]
 CP2 = ["--layout.language.cp=2", "--data.pad_to_multiple=4"]
 COMPILE = ["--train.compile=true"]
 FAN_IN = ["--layout.vision.tp=1", "--layout.language.tp=2"]  # vision dp4 → LLM dp2 on 4 ranks
+QK_NORM = ["--model.language.qk_norm=true"]  # Qwen3: RMSNorm on each query/key head, one weight for all heads
 
 
 def tp(t: int) -> list[str]:
@@ -48,6 +49,11 @@ LAYOUTS = {
     "vision-dp8-audio-tp2-llm-tp4": (8, ["--layout.vision.tp=1", "--layout.audio.tp=2", "--layout.language.tp=4",
                                          "--model.language.num_heads=8", "--model.language.num_kv_heads=4",
                                          "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=4"]),
+    # Qwen3's QK-norm under tp: the shared per-head weight's gradient summed over the tp ranks' heads
+    "qwen3-tp2": (2, tp(2) + QK_NORM),
+    "qwen3-fan-in-llm-tp4-sp-bshd": (4, QK_NORM + ["--layout.vision.tp=1", "--layout.language.tp=4",
+                                                   "--model.language.num_heads=8", "--model.language.num_kv_heads=4",
+                                                   "--data.pad_to_multiple=4", "--data.format=bshd"] + SP),
     # context parallelism for the LLM (encoders spread over its cp ranks: fan-in by default)
     "cp2": (2, CP2),
     "cp2-bshd": (2, CP2 + ["--data.format=bshd"]),

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from loom.config import ConfigError, JobConfig
+from loom.config import JobConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.blocks import transformer_blocks
 from loom.parallel.fsdp import apply_fsdp, mixed_precision
 from loom.parallel.pipeline import ZERO_BUBBLE, split_language
-from loom.parallel.tensor import apply_encoder_tp, apply_llm_tp, tp_unsupported
+from loom.parallel.tensor import apply_encoder_tp, apply_llm_tp
 from loom.topology import Grid, Topology
 
 
@@ -29,10 +29,6 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
             continue
         grid, module = topo.grids[name], model.get_submodule(name)
         lay = grid.layout
-        if lay.tp > 1:
-            reason = tp_unsupported(module)
-            if reason:
-                raise ConfigError(f"{name}: {reason}")
         parts = [module]  # what TP and FSDP wrap: the module, or each of its pipeline stages
         reshard = cfg.parallel.reshard_after_forward
         if name == "language" and lay.pp > 1:

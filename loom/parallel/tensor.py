@@ -23,7 +23,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from loom.models.llm import DecoderLM
 from loom.models.multimodal import ModalityEncoder
 
 
@@ -50,6 +49,11 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
             f"{block}.mlp.up_proj": ColwiseParallel(),
             f"{block}.mlp.down_proj": RowwiseParallel(output_layouts=act),
         })
+        if llm.cfg.qk_norm:
+            # Qwen3's q/k norms weigh head_dim, shared by every head: on a rank's heads (sharded on the heads
+            # dim, one after the token dim) the weight's gradient is a partial sum, reduced over tp by DTensor
+            plan.update({f"{block}.self_attn.{norm}": SequenceParallel(sequence_dim=seq_dim + 1, use_local_output=True)
+                         for norm in ("q_norm", "k_norm")})
         if sequence_parallel:
             plan.update({
                 f"{block}.input_layernorm": SequenceParallel(sequence_dim=seq_dim),
@@ -89,9 +93,3 @@ def apply_encoder_tp(encoder: ModalityEncoder, mesh: DeviceMesh) -> None:
         })
     parallelize_module(encoder, mesh, plan)
 
-
-def tp_unsupported(module: nn.Module) -> str | None:
-    """Why a module cannot be tensor-parallel yet, or None."""
-    if isinstance(module, DecoderLM) and module.cfg.qk_norm:
-        return "QK-norm (Qwen3) under tp > 1 is not supported yet: its per-head norm weights need a tp reduction"
-    return None
