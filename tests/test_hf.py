@@ -381,15 +381,15 @@ def test_a_layout_reads_only_its_part_of_each_hf_tensor(hf, worlds):
             assert rank["read"][prefix] < 0.3 * rank["whole"][prefix], (prefix, rank)
 
 
-def _qwen3_packed_logits_under_tp2(folder: str, lengths: list[int]) -> torch.Tensor:
-    """On every rank: the Qwen3 folder loaded under language tp2 (QK-norm weights replicated, heads split),
-    the packed samples' logits gathered whole."""
+def _packed_logits_under_tp(folder: str, lengths: list[int]) -> torch.Tensor:
+    """On every rank: the folder's LLM loaded with tp over all ranks (heads split; QK-norm weights, and KV heads
+    when tp exceeds them, replicated), the packed samples' logits gathered whole."""
     import torch.distributed as dist
 
     from loom.data.tokenizer import ByteTokenizer
     from loom.train.build import build_job_model, initial_weights, setup_parallel
 
-    cfg = load_config(None, [f"--model.language.hf={folder}", "--layout.language.tp=2",
+    cfg = load_config(None, [f"--model.language.hf={folder}", f"--layout.language.tp={dist.get_world_size()}",
                              "--train.device=cpu"], world_size=dist.get_world_size())
     model = build_job_model(cfg, ByteTokenizer())
     weights = initial_weights(model, cfg)
@@ -402,12 +402,14 @@ def _qwen3_packed_logits_under_tp2(folder: str, lengths: list[int]) -> torch.Ten
         return model.language(ids, positions, TokenLayout.from_lengths(lengths)).full_tensor()
 
 
-def test_qwen3_under_tp2_gives_the_hf_logits(hf, worlds):
-    ref_model, folder = hf("qwen3")
+@pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen2", 4), ("qwen3", 4)])
+def test_an_llm_under_tp_gives_the_hf_logits(hf, worlds, family, tp):
+    """Qwen3's QK-norm at tp2; tp4 over 2 KV heads (each replicated on 2 ranks), with and without QK-norm."""
+    ref_model, folder = hf(family)
     lengths = [7, 13, 4]
     g = torch.Generator().manual_seed(2)
     samples = [torch.randint(0, 272, (n,), generator=g) for n in lengths]
     with torch.no_grad():
         ref = torch.cat([ref_model(s[None]).logits[0] for s in samples])
-    for ours in worlds.run(2, _qwen3_packed_logits_under_tp2, str(folder), lengths, timeout=240):
+    for ours in worlds.run(tp, _packed_logits_under_tp, str(folder), lengths, timeout=240):
         assert _max_diff(ours, ref) <= TOL

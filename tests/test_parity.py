@@ -54,6 +54,12 @@ LAYOUTS = {
     "qwen3-fan-in-llm-tp4-sp-bshd": (4, QK_NORM + ["--layout.vision.tp=1", "--layout.language.tp=4",
                                                    "--model.language.num_heads=8", "--model.language.num_kv_heads=4",
                                                    "--data.pad_to_multiple=4", "--data.format=bshd"] + SP),
+    # more tp ranks than KV heads: each rank's query heads read one KV head, replicated on tp / kv ranks
+    "tp4-2-kv-heads": (4, tp(2) + ["--layout.language.tp=4", "--model.language.num_heads=8"]),
+    "tp8-4-kv-heads": (8, tp(2) + ["--layout.language.tp=8", "--model.language.num_heads=8",
+                                   "--model.language.num_kv_heads=4"]),
+    "qwen3-tp4-2-kv-heads-fan-in-sp": (4, QK_NORM + ["--layout.vision.tp=1", "--layout.language.tp=4",
+                                                     "--model.language.num_heads=8", "--data.pad_to_multiple=4"] + SP),
     # context parallelism for the LLM (encoders spread over its cp ranks: fan-in by default)
     "cp2": (2, CP2),
     "cp2-bshd": (2, CP2 + ["--data.format=bshd"]),

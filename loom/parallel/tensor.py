@@ -6,6 +6,11 @@ parallel the residual stream between blocks is sharded over tokens (dim 0 packed
 run on their token shard, each attention/MLP input is all-gathered, each output reduce-scattered.
 Encoders (ViT, Whisper) and projectors: attention heads and MLPs split the same way; their token streams
 stay replicated (patch counts vary per image, so sharding them would need padding — not done yet).
+KV heads: split like the query heads when tp divides num_kv_heads; when tp is a multiple of it (more ranks
+than KV heads, e.g. Qwen2.5-1.5B's 2 at tp 4) each rank's query heads all read one KV head, so k/v_proj stay
+whole on every rank (replicated: they are small) and each rank keeps the output columns of its head; the
+kept columns' gradient is partial on each rank, so DTensor sums the weights' gradients over the tp ranks —
+the ranks sharing a head add their parts, the others add zeros (Megatron's KV-head replication).
 Parameters no plan names (norms without SP, conv stems, position tables) stay plain tensors and get equal
 gradients on every tp rank because every column-parallel input all-reduces its gradient.
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -22,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from loom.models.multimodal import ModalityEncoder
 
@@ -38,12 +44,14 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
         plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
         if sequence_parallel:
             plan["norm"] = SequenceParallel(sequence_dim=seq_dim)
+    tp, kv_heads = mesh.size(), llm.cfg.num_kv_heads
+    kv = ColwiseParallel if kv_heads % tp == 0 else lambda: KVHeadOfRank(llm.cfg.dim_per_head, tp // kv_heads)
     for name in llm.layers:
         block = f"layers.{name}"
         plan.update({
             f"{block}.self_attn.q_proj": ColwiseParallel(),
-            f"{block}.self_attn.k_proj": ColwiseParallel(),
-            f"{block}.self_attn.v_proj": ColwiseParallel(),
+            f"{block}.self_attn.k_proj": kv(),
+            f"{block}.self_attn.v_proj": kv(),
             f"{block}.self_attn.o_proj": RowwiseParallel(output_layouts=act),
             f"{block}.mlp.gate_proj": ColwiseParallel(),
             f"{block}.mlp.up_proj": ColwiseParallel(),
@@ -74,6 +82,33 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
     parallelize_module(llm, mesh, plan)
     if llm.cfg.tie_embeddings and first_stage and last_stage:  # distributing replaced both parameters; tie them again (same Shard(0) layout)
         llm.lm_head.weight = llm.embed_tokens.weight
+
+
+class KVHeadOfRank(ParallelStyle):
+    """k_proj / v_proj when tp is a multiple of the KV heads: weight (and bias) replicated over tp, every KV
+    head computed, and the columns of rank r's head kept — head r // `ranks_per_head`, the one its query heads
+    read. The kept columns' gradient is declared partial, which makes DTensor sum the weight's gradient and
+    the input's over the tp ranks."""
+
+    def __init__(self, head_dim: int, ranks_per_head: int) -> None:
+        super().__init__()
+        self.head_dim, self.ranks_per_head = head_dim, ranks_per_head
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def replicate(name, mod, mesh):
+            for key, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+        def to_dtensor(mod, inputs, mesh):
+            x = inputs[0]
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False) if not isinstance(x, DTensor) else x
+
+        def own_head(mod, out, mesh):
+            head = mesh.get_local_rank() // self.ranks_per_head
+            local = out.to_local(grad_placements=[Partial()])  # other ranks' heads get no gradient from here
+            return local[..., head * self.head_dim : (head + 1) * self.head_dim]
+
+        return distribute_module(module, mesh, replicate, input_fn=to_dtensor, output_fn=own_head)
 
 
 def apply_encoder_tp(encoder: ModalityEncoder, mesh: DeviceMesh) -> None:

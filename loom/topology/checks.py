@@ -40,8 +40,16 @@ def check_placement(placement: Placement, cfg: JobConfig) -> None:
 
 def _check_language(lay: Layout, cfg: JobConfig) -> None:
     lm = cfg.model.language
-    _divides(lay, "tp", {"num_heads": lm.num_heads, "num_kv_heads": lm.num_kv_heads,
-                         "intermediate_size": lm.intermediate_size, "vocab_size": lm.vocab_size}, "model.language")
+    _divides(lay, "tp", {"num_heads": lm.num_heads, "intermediate_size": lm.intermediate_size,
+                         "vocab_size": lm.vocab_size}, "model.language")
+    kv, tp = lm.num_kv_heads, lay.tp
+    if kv % tp and tp % kv:  # tp < kv splits the KV heads; tp > kv gives each rank the one its queries read
+        fits = [d for d in range(1, lay.size + 1) if lay.size % d == 0 and lm.num_heads % d == 0 and
+                (kv % d == 0 or d % kv == 0)]
+        raise ConfigError(
+            f"language: tp = {tp} neither divides model.language.num_kv_heads = {kv} nor is a multiple of it "
+            f"(KV heads are split over tp, or each replicated on tp / num_kv_heads ranks); use tp ∈ "
+            f"{{{', '.join(map(str, fits))}}}")
     if lay.sequence_parallel and lay.tp == 1:
         raise ConfigError("language: sequence_parallel = true needs tp > 1 (it shards tokens over the tp group)")
     _check_pipeline(lay, cfg)
