@@ -124,7 +124,7 @@ class ModuleLayoutConfig:
     pp: int = 1
     dp: int = 0
     ranks: str | int = ""  # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for it the whole world
-    sequence_parallel: bool = False  # language only: shard the residual stream's tokens over tp
+    sequence_parallel: bool = False  # shard the residual stream's tokens (an encoder's packed rows) over tp
 
 
 @dataclass

@@ -17,6 +17,7 @@ SP = ["--layout.language.sequence_parallel=true"]
 CP2 = ["--layout.language.cp=2", "--data.pad_to_multiple=4"]
 COMPILE = ["--train.compile=true"]
 FAN_IN = ["--layout.vision.tp=1", "--layout.language.tp=2"]  # vision dp4 → LLM dp2 on 4 ranks
+ENCODER_SP = ["--layout.vision.sequence_parallel=true", "--layout.audio.sequence_parallel=true"]
 QK_NORM = ["--model.language.qk_norm=true"]  # Qwen3: RMSNorm on each query/key head, one weight for all heads
 
 
@@ -60,6 +61,10 @@ LAYOUTS = {
                                    "--model.language.num_kv_heads=4"]),
     "qwen3-tp4-2-kv-heads-fan-in-sp": (4, QK_NORM + ["--layout.vision.tp=1", "--layout.language.tp=4",
                                                      "--model.language.num_heads=8", "--data.pad_to_multiple=4"] + SP),
+    # sequence parallel encoders: their packed rows sharded over tp between layers, per-image attention whole
+    "encoders-tp2-sp": (2, tp(2) + ENCODER_SP),
+    "vision-tp4-sp-fan-out-audio-tp2-sp": (4, ["--layout.vision.tp=4", "--layout.audio.tp=2"] + ENCODER_SP),
+    "compiled-encoders-tp2-sp-row-budget": (2, COMPILE + tp(2) + ENCODER_SP + ["--data.tokens_per_microbatch=512"]),
     # context parallelism for the LLM (encoders spread over its cp ranks: fan-in by default)
     "cp2": (2, CP2),
     "cp2-bshd": (2, CP2 + ["--data.format=bshd"]),

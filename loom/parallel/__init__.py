@@ -45,7 +45,7 @@ def parallelize(model: MultimodalModel, topo: Topology, cfg: JobConfig, device_t
                 if name == "language":
                     apply_llm_tp(part, tp_mesh, lay.sequence_parallel, seq_dim=0 if cfg.data.format == "thd" else 1)
                 else:
-                    apply_encoder_tp(part, tp_mesh)
+                    apply_encoder_tp(part, tp_mesh, lay.sequence_parallel)
             apply_fsdp(part, transformer_blocks(name, part), fsdp_mesh(grid, device_type), mp, reshard,
                        cfg.parallel.blocks_per_unit)
 

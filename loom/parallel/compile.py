@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 from loom.config import JobConfig
-from loom.models.encoder_layer import RowBudget
+from loom.models.encoder_layer import ROW_MULTIPLE, RowBudget
 from loom.parallel.blocks import transformer_blocks
 
 # every block of a module is a separate frame for dynamo's cache; leave room for the encoders' and the
@@ -60,6 +60,9 @@ def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
     # padded (bshd): a microbatch is [R, S], R = global_batch_size / (dp·M)
     t = t or cfg.data.padded_length * (cfg.train.global_batch_size // (llm_dp * cfg.train.microbatches))
     rows = {n: explicit.get(n) or t * serves[n] for n in serves}
+    # an encoder under sequence parallel splits its rows over tp (a divisor of ROW_MULTIPLE): whole multiples
+    sp = {n for n in serves if getattr(cfg.layout, n).sequence_parallel}
+    rows = {n: -(-r // ROW_MULTIPLE) * ROW_MULTIPLE if n in sp else r for n, r in rows.items()}
     return {n: RowBudget(r, cfg.train.global_batch_size) for n, r in rows.items() if r}
 
 

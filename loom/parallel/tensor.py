@@ -4,8 +4,11 @@ LLM: attention heads and KV heads split (q/k/v column-wise, o row-wise), SwiGLU 
 embedding, and a vocab-sharded LM head whose logits stay a DTensor for loss parallel. With sequence
 parallel the residual stream between blocks is sharded over tokens (dim 0 packed, dim 1 padded): norms
 run on their token shard, each attention/MLP input is all-gathered, each output reduce-scattered.
-Encoders (ViT, Whisper) and projectors: attention heads and MLPs split the same way; their token streams
-stay replicated (patch counts vary per image, so sharding them would need padding — not done yet).
+Encoders (ViT, Whisper) and projectors: attention heads and MLPs split the same way. With sequence parallel
+(`[layout.vision] sequence_parallel = true`) the packed patch / frame stream between the layers is sharded
+over tp like the LLM's: it is already padded to 64 rows with a filler item (encoder_layer.run_packed), so it
+splits evenly for tp | 64; attention still sees every row of its image (the projections' input is gathered),
+and the last layer's output is gathered whole again, for the filler's removal and the projector.
 KV heads: split like the query heads when tp divides num_kv_heads; when tp is a multiple of it (more ranks
 than KV heads, e.g. Qwen2.5-1.5B's 2 at tp 4) each rank's query heads all read one KV head, so k/v_proj stay
 whole on every rank (replicated: they are small) and each rank keeps the output columns of its head; the
@@ -23,6 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -111,20 +115,36 @@ class KVHeadOfRank(ParallelStyle):
         return distribute_module(module, mesh, replicate, input_fn=to_dtensor, output_fn=own_head)
 
 
-def apply_encoder_tp(encoder: ModalityEncoder, mesh: DeviceMesh) -> None:
+def apply_encoder_tp(encoder: ModalityEncoder, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    rows = Shard(0) if sequence_parallel else Replicate()  # the packed stream between layers: [rows, hidden]
     plan = {
         "projector.linear_1": ColwiseParallel(),
         "projector.linear_2": RowwiseParallel(),  # output replicated: full LLM-width embeddings
     }
-    for i in range(len(encoder.encoder.layers)):
-        layer = f"encoder.layers.{i}"
+    layers = [f"encoder.layers.{i}" for i in range(len(encoder.encoder.layers))]
+    for layer in layers:
         plan.update({
             f"{layer}.self_attn.q_proj": ColwiseParallel(),
             f"{layer}.self_attn.k_proj": ColwiseParallel(),
             f"{layer}.self_attn.v_proj": ColwiseParallel(),
-            f"{layer}.self_attn.out_proj": RowwiseParallel(),
+            f"{layer}.self_attn.out_proj": RowwiseParallel(output_layouts=rows),
             f"{layer}.mlp.fc1": ColwiseParallel(),
-            f"{layer}.mlp.fc2": RowwiseParallel(),
+            f"{layer}.mlp.fc2": RowwiseParallel(output_layouts=rows),
         })
+        if sequence_parallel:
+            plan.update({
+                f"{layer}.layer_norm1": SequenceParallel(sequence_dim=0),
+                f"{layer}.layer_norm2": SequenceParallel(sequence_dim=0),
+                # (h, layout): every row of the stream before the projections, so attention sees whole images
+                f"{layer}.self_attn": PrepareModuleInput(input_layouts=(rows, None),
+                                                         desired_input_layouts=(Replicate(), None)),
+                f"{layer}.mlp": PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),)),
+            })
+    if sequence_parallel:
+        # the stream enters the first layer whole (embeddings are computed on every tp rank) and leaves the last whole
+        plan[layers[0]] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(rows, None),
+                                             use_local_output=True)
     parallelize_module(encoder, mesh, plan)
-
+    if sequence_parallel:  # a second call: with one layer, the first is the last
+        parallelize_module(encoder, mesh, {layers[-1]: PrepareModuleOutput(
+            output_layouts=rows, desired_output_layouts=Replicate(), use_local_output=True)})

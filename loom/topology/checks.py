@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from loom.config import ConfigError, JobConfig
+from loom.models.encoder_layer import ROW_MULTIPLE
 from loom.topology.layout import Layout, Placement
 
 
@@ -129,8 +130,9 @@ def _multiple_reason(lay: Layout, cfg: JobConfig) -> str:
 def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
     name = lay.module
     enc = getattr(cfg.model, name)
-    if lay.sequence_parallel:
-        raise ConfigError(f"{name}: sequence_parallel applies to the language model only; remove it from [layout.{name}]")
+    if lay.sequence_parallel and (lay.tp == 1 or ROW_MULTIPLE % lay.tp):
+        raise ConfigError(f"{name}: sequence_parallel = true shards the encoder's packed rows (padded to a multiple "
+                          f"of {ROW_MULTIPLE}) over tp; it needs tp > 1 dividing {ROW_MULTIPLE}, not tp = {lay.tp}")
     if lay.cp > 1:
         raise ConfigError(
             f"{name}: cp = {lay.cp}, but encoders do not use context parallelism; give the {name} encoder "
