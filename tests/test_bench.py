@@ -41,6 +41,16 @@ def test_loader_bench_small_writes_its_files_and_measures_every_worker_count(tmp
     assert len(list(tmp_path.glob("media/*.jpg"))) == 16 and len(list(tmp_path.glob("media/*.wav"))) == 4
 
 
+def test_encoder_sp_bench_small_runs_both_rows_on_two_cpu_ranks():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bench/encoder_sp.py",
+           "--small", "--images", "3", "--side", "16", "--steps", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["sequence_parallel"], r["activation_checkpointing"]) for r in rows] == [
+        (False, "none"), (True, "none"), (False, "full"), (True, "full")] and rows[0]["rows"] == 48
+
+
 def test_flops_by_hand():
     layers = nn.Sequential(nn.Linear(3, 5), nn.Conv2d(2, 4, 3), nn.Conv1d(4, 6, 3), nn.Embedding(10, 7),
                            nn.LayerNorm(5))

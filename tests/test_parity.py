@@ -63,6 +63,7 @@ LAYOUTS = {
                                                      "--model.language.num_heads=8", "--data.pad_to_multiple=4"] + SP),
     # sequence parallel encoders: their packed rows sharded over tp between layers, per-image attention whole
     "encoders-tp2-sp": (2, tp(2) + ENCODER_SP),
+    "encoders-tp2-sp-ac-full": (2, tp(2) + ENCODER_SP + ["--train.activation_checkpointing=full"]),
     "vision-tp4-sp-fan-out-audio-tp2-sp": (4, ["--layout.vision.tp=4", "--layout.audio.tp=2"] + ENCODER_SP),
     "compiled-encoders-tp2-sp-row-budget": (2, COMPILE + tp(2) + ENCODER_SP + ["--data.tokens_per_microbatch=512"]),
     # context parallelism for the LLM (encoders spread over its cp ranks: fan-in by default)
