@@ -413,3 +413,29 @@ def test_an_llm_under_tp_gives_the_hf_logits(hf, worlds, family, tp):
         ref = torch.cat([ref_model(s[None]).logits[0] for s in samples])
     for ours in worlds.run(tp, _packed_logits_under_tp, str(folder), lengths, timeout=240):
         assert _max_diff(ours, ref) <= TOL
+
+
+def _train_and_save_under_tp4(folder: str, out: str) -> dict[str, torch.Tensor]:
+    """On every rank: one step of a Qwen3 folder's LLM under tp4 (2 KV heads: each replicated on 2 ranks;
+    QK-norm), saved; the trained language weights gathered whole."""
+    import torch.distributed as dist
+
+    cfg = load_config(None, [
+        f"--model.language.hf={folder}", "--layout.language.tp=4", "--data.train_size=16", "--data.heldout_size=2",
+        "--train.global_batch_size=4", "--train.steps=1", "--train.device=cpu", "--run.tensorboard=false",
+        "--run.progress=false", f"--run.out_dir={out}", "--data.workers=0"], world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    trainer.checkpoint()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for k, v in trainer.model.language.state_dict().items()}
+
+
+def test_a_qwen3_trained_under_tp4_over_2_kv_heads_exports_its_weights(hf, worlds, tmp_path):
+    qwen3, folder = hf("qwen3")
+    trained = worlds.run(4, _train_and_save_under_tp4, str(folder), str(tmp_path / "run"), timeout=300)
+    assert all(all(torch.equal(r[k], v) for k, v in trained[0].items()) for r in trained[1:])  # one model
+    assert not torch.equal(trained[0]["layers.0.self_attn.k_norm.weight"], qwen3.model.layers[0].self_attn.k_norm.weight)
+    assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
+    back = build_pretrained(tmp_path / "hf" / "language").state_dict()  # loom → HF → loom is exact
+    assert back.keys() == trained[0].keys() and all(torch.equal(back[k], v) for k, v in trained[0].items())
