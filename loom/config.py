@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.data.tables import is_table
 from loom.models.audio import AudioConfig
 from loom.models.llm import LLMConfig
 from loom.models.vision import VisionConfig
@@ -341,14 +342,17 @@ def _validate_sources(cfg: JobConfig) -> None:
     if not m.tokenizer:
         raise ConfigError("data.sources needs model.tokenizer: a Hugging Face tokenizer folder (tokenizer.json and a "
                           "chat template), usually the LLM's own folder")
+    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(d.sources)}
+    for key, path in {**paths, **({"data.heldout": d.heldout} if d.heldout else {})}.items():
+        if not path or not Path(path).exists():
+            raise ConfigError(f"{key} = {path!r}: no such file (a JSONL of conversations, a parquet file, or a "
+                              f"folder of parquet / arrow files)")
+        if is_table(path) and importlib.util.find_spec("pyarrow") is None:
+            raise ConfigError(f"{key} = {path!r} is a table, read with pyarrow, which is not installed: "
+                              f"pip install 'loom[tables]'")
     for i, source in enumerate(d.sources):
-        key = f"data.sources[{i}]"
-        if not source.path or not Path(source.path).is_file():
-            raise ConfigError(f"{key}.path = {source.path!r}: no such file (a JSONL of conversations)")
         if not source.weight > 0:
-            raise ConfigError(f"{key}.weight = {source.weight} must be > 0")
-    if d.heldout and not Path(d.heldout).is_file():
-        raise ConfigError(f"data.heldout = {d.heldout!r}: no such file (a JSONL of held-out conversations)")
+            raise ConfigError(f"data.sources[{i}].weight = {source.weight} must be > 0")
     if d.image_min_pixels < 0 or d.image_max_pixels < 0 or (
             d.image_max_pixels and d.image_min_pixels > d.image_max_pixels):
         raise ConfigError(f"data.image_min_pixels = {d.image_min_pixels}, data.image_max_pixels = "

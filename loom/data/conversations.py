@@ -61,6 +61,11 @@ def parse_conversation(line: str, where: str, base: Path) -> Conversation:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise BadSample(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return parse_record(record, where, base)
+
+
+def parse_record(record, where: str, base: Path) -> Conversation:
+    """One conversation as an object (a JSONL line's, or a table row's) → a checked Conversation."""
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise BadSample(f"{where}: a line must be an object with a non-empty \"messages\" list")
@@ -89,6 +94,7 @@ def _turn(message, where: str, base: Path) -> Turn:
 
 def _part(part, where: str, base: Path) -> Part:
     kind = part.get("type") if isinstance(part, dict) else None
+    # (a table row's parts carry every field of the column's struct, the unused ones None)
     if kind not in KINDS:
         raise BadSample(f"{where}: unknown part type {kind!r}; types are {list(KINDS)}")
     if kind == "text":

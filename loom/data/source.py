@@ -16,6 +16,7 @@ from pathlib import Path
 from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules, conversation_sample
 from loom.data.conversations import BadSample, ConversationFile, blend
+from loom.data.tables import TableConversations, is_table
 from loom.data.format import TokenCounter, to_sample
 from loom.data.sample import Sample
 from loom.data.tasks import TaskDataset
@@ -42,6 +43,11 @@ class ChatRules:
     chat: ChatTokenizer
     media: MediaRules
     train_on: str = "assistant"
+
+
+def conversation_source(path: str | Path) -> ConversationFile | TableConversations:
+    """A source's conversations: a JSONL file, or a table (a parquet file, a folder of parquet or arrow files)."""
+    return TableConversations(path) if is_table(path) else ConversationFile(path)
 
 
 class ConversationSamples:

@@ -17,11 +17,19 @@ from loom.config import ConfigError, JobConfig
 from loom.data.batch import round_up
 from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules
-from loom.data.conversations import BadSample, ConversationFile
+from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter, to_sample
 from loom.data.images import ImageRule
 from loom.data.sample import Sample, decoded
-from loom.data.source import BadSamples, ChatRules, ConversationSamples, TaskSamples, checked, split_off
+from loom.data.source import (
+    BadSamples,
+    ChatRules,
+    ConversationSamples,
+    TaskSamples,
+    checked,
+    conversation_source,
+    split_off,
+)
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
 
@@ -69,9 +77,9 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
         return JobData(tok, TaskSamples(train, tok, counters), [heldout[i] for i in range(len(heldout))], longest)
     bad = BadSamples()
     weights = [s.weight for s in d.sources]
-    files = checked([ConversationFile(s.path) for s in d.sources], d.on_bad_sample, bad)
+    files = checked([conversation_source(s.path) for s in d.sources], d.on_bad_sample, bad)
     if d.heldout:
-        held = checked([ConversationFile(d.heldout)], d.on_bad_sample, bad)
+        held = checked([conversation_source(d.heldout)], d.on_bad_sample, bad)
     else:
         files, held = split_off(files, weights, d.heldout_size)
     rules = ChatRules(tok, media_rules(cfg), d.train_on)
