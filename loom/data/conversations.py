@@ -109,7 +109,29 @@ def _part(part, where: str, base: Path) -> Part:
     return Part(kind, path=path)
 
 
-class ConversationFile:
+class Conversations:
+    """A source's conversations by index: `len`, `[i]` (checked, raising BadSample), `where(i)`."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        """The source's name in metrics: its file's (or folder's) stem."""
+        return self.path.stem
+
+    def problems(self) -> dict[int, str]:
+        """Every conversation that does not parse or check (a missing file included): index → message. Run
+        before training, so a bad line stops the run before the model is built, not at the step that reads it."""
+        out = {}
+        for i in range(len(self)):
+            try:
+                self[i]
+            except BadSample as e:
+                out[i] = str(e)
+        return out
+
+
+class ConversationFile(Conversations):
     """The conversations of one JSONL file, by index (blank lines are not conversations)."""
 
     def __init__(self, path: str | Path) -> None:
@@ -126,11 +148,6 @@ class ConversationFile:
                     self._lines.append(number)
                 offset += len(raw)
 
-    @property
-    def name(self) -> str:
-        """The source's name in metrics: the file's stem."""
-        return self.path.stem
-
     def __len__(self) -> int:
         return len(self._offsets)
 
@@ -138,17 +155,6 @@ class ConversationFile:
         """The same file with only the conversations `keep` (indices into this one), in that order."""
         out = object.__new__(ConversationFile)
         out.path, out._offsets, out._lines = self.path, [self._offsets[i] for i in keep], [self._lines[i] for i in keep]
-        return out
-
-    def problems(self) -> dict[int, str]:
-        """Every conversation that does not parse or check (a missing file included): index → message. Run
-        before training, so a bad line stops the run before the model is built, not at the step that reads it."""
-        out = {}
-        for i in range(len(self)):
-            try:
-                self[i]
-            except BadSample as e:
-                out[i] = str(e)
         return out
 
     def where(self, i: int) -> str:

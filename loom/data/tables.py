@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loom.data.conversations import BadSample, Conversation, parse_record
+from loom.data.conversations import Conversation, Conversations, parse_record
 
 SUFFIXES = (".parquet", ".arrow")
 
@@ -38,7 +38,7 @@ def _read(files: list[Path]):
     return tables
 
 
-class TableConversations:
+class TableConversations(Conversations):
     """The conversations of one table source, by index; the same interface as ConversationFile."""
 
     def __init__(self, path: str | Path) -> None:
@@ -54,11 +54,6 @@ class TableConversations:
         self._rows = [(t, r) for t, table in enumerate(self.tables) for r in range(table.num_rows)]
         self._files = files
 
-    @property
-    def name(self) -> str:
-        """The source's name in metrics: the folder's (or file's) stem."""
-        return self.path.stem
-
     def __len__(self) -> int:
         return len(self._rows)
 
@@ -66,15 +61,6 @@ class TableConversations:
         out = object.__new__(TableConversations)
         out.__dict__.update(self.__dict__)
         out._rows = [self._rows[i] for i in keep]
-        return out
-
-    def problems(self) -> dict[int, str]:
-        out = {}
-        for i in range(len(self)):
-            try:
-                self[i]
-            except BadSample as e:
-                out[i] = str(e)
         return out
 
     def where(self, i: int) -> str:
