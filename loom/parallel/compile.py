@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 from loom.config import JobConfig
 from loom.models.encoder_layer import ROW_MULTIPLE, RowBudget
 from loom.parallel.blocks import transformer_blocks
+from loom.topology.layout import resolve_placement
 
 # every block of a module is a separate frame for dynamo's cache; leave room for the encoders' and the
 # LLM's static + dynamic variants
@@ -50,18 +51,15 @@ def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
     R·S padded) per LLM microbatch it serves (its rows are placeholders among those tokens, so they always
     suffice); items: one per sample of the global batch."""
     t, explicit = cfg.data.tokens_per_microbatch, cfg.data.encoder_rows_per_microbatch
-    serves, llm_dp = {name: 1 for name in cfg.model.encoders}, 1  # LLM microbatches one encoder call covers
-    if (t or cfg.data.padded_length) and world_size > 1:  # fan-out: an encoder replica serves several LLM replicas
-        from loom.topology.layout import resolve_placement
-
-        layouts = resolve_placement(cfg, world_size).layouts
-        llm_dp = layouts["language"].dp
-        serves = {n: max(1, llm_dp // layouts[n].dp) for n in serves}
+    layouts = resolve_placement(cfg, world_size).layouts
+    llm_dp = layouts["language"].dp
+    # fan-out: an encoder replica serves several LLM replicas (LLM microbatches one encoder call covers)
+    serves = {n: max(1, llm_dp // layouts[n].dp) for n in cfg.model.encoders}
     # padded (bshd): a microbatch is [R, S], R = global_batch_size / (dp·M)
     t = t or cfg.data.padded_length * (cfg.train.global_batch_size // (llm_dp * cfg.train.microbatches))
     rows = {n: explicit.get(n) or t * serves[n] for n in serves}
     # an encoder under sequence parallel splits its rows over tp (a divisor of ROW_MULTIPLE): whole multiples
-    sp = {n for n in serves if getattr(cfg.layout, n).sequence_parallel}
+    sp = {n for n in serves if layouts[n].sequence_parallel}
     rows = {n: -(-r // ROW_MULTIPLE) * ROW_MULTIPLE if n in sp else r for n, r in rows.items()}
     return {n: RowBudget(r, cfg.train.global_batch_size) for n, r in rows.items() if r}
 
