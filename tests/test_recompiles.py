@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from conftest import tiny_job_overrides
 
+from loom.config import load_config
+from loom.parallel.compile import row_budgets
+
 # B = 5 samples in 2 microbatches of 256 tokens: bins of 1–3 samples, 0–3 images and 0–2 clips each
 FIXED = ["--train.compile=true", "--train.global_batch_size=5", "--train.microbatches=2",
          "--data.tokens_per_microbatch=256"]
@@ -112,3 +115,22 @@ def test_fixed_shapes_on_two_ranks(worlds, tmp_path):
     """dp 2 under FSDP2: each rank gets its own bins, and neither compiles after the first step."""
     for result in worlds.run(2, compiled_run, str(tmp_path), FIXED, timeout=900):
         check_fixed(result)
+
+
+def test_row_budgets_by_hand():
+    """Each encoder's fixed rows per call with T = 100 tokens per LLM microbatch and B = 8 samples: T times the
+    LLM microbatches one encoder call serves, rounded up to 64 under encoder SP; an explicit count wins. Encoders
+    without a [layout.<name>] table of their own take the default layout (a None layout crashed this once)."""
+    budget = ["--data.tokens_per_microbatch=100", "--train.global_batch_size=8"]
+
+    def rows(overrides: list[str], world_size: int) -> dict[str, tuple[int, int]]:
+        cfg = load_config(None, budget + overrides, world_size=world_size)
+        return {n: (b.rows, b.items) for n, b in row_budgets(cfg, world_size).items()}
+
+    assert rows([], 1) == {"vision": (100, 8), "audio": (100, 8)}
+    assert rows([], 4) == {"vision": (100, 8), "audio": (100, 8)}  # dp4 everywhere: one replica serves one
+    # vision tp4 = dp1 feeds the LLM's 4 replicas: 400 rows, 448 under SP; audio (no table) stays dp4
+    assert rows(["--layout.vision.tp=4"], 4) == {"vision": (400, 8), "audio": (100, 8)}
+    assert rows(["--layout.vision.tp=4", "--layout.vision.sequence_parallel=true"], 4)["vision"] == (448, 8)
+    assert rows(["--layout.vision.tp=2", "--layout.vision.sequence_parallel=true",
+                 "--data.encoder_rows_per_microbatch.vision=130"], 4)["vision"] == (192, 8)
