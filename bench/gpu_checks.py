@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from loom.models.attention import TokenLayout, attend, attend_prefix
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend, attend_prefix
 
 BF16_TOL = 2e-2  # bf16 (8-bit mantissa) lands near 1e-2; 2× headroom, still far below a mask error's O(1)
 FP32_TOL = 1e-5  # the same fp32 SDPA math on the same rows: only summation order differs
@@ -46,14 +47,14 @@ def main() -> None:
     q = torch.randn(total, heads, dim, device=dev)
     k = torch.randn(total, kv_heads, dim, device=dev)
     v = torch.randn(total, kv_heads, dim, device=dev)
-    lay = TokenLayout.from_lengths(lengths, dev)
-    ref = attend(q, k, v, TokenLayout.from_lengths(lengths, dev, backend="sdpa"), causal=True)
+    lay = TokenSpans.from_lengths(lengths, dev)
+    ref = attend(q, k, v, TokenSpans.from_lengths(lengths, dev, backend="sdpa"), causal=True)
     fast = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), lay, causal=True)
     # prefix attention: each sample's last quarter of queries against its whole prefix
     q_lens = [n // 4 for n in lengths]
     q_rows = torch.cat([torch.arange(s + n - m, s + n) for s, n, m in
                         zip(torch.tensor([0] + lengths).cumsum(0).tolist(), lengths, q_lens)]).to(dev)
-    ql, kl = TokenLayout.from_lengths(q_lens, dev), TokenLayout.from_lengths(lengths, dev)
+    ql, kl = TokenSpans.from_lengths(q_lens, dev), TokenSpans.from_lengths(lengths, dev)
     ref_p = attend_prefix(q[q_rows], k, v, ql, kl, backend="sdpa")
     fast_p = attend_prefix(q[q_rows].bfloat16(), k.bfloat16(), v.bfloat16(), ql, kl, backend="auto")
     rows = [

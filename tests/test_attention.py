@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from conftest import Spec, make_sample, sharpen
 from loom.data.batch import IGNORE_INDEX, pad_samples
 from loom.data.packing import pack_samples
-from loom.models.attention import TokenLayout, attend
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend
 
 # ---------------------------------------------------------------- naive reference
 
@@ -63,7 +64,7 @@ def test_packed_matches_naive(causal, heads):
     hq, hkv = heads
     g = torch.Generator().manual_seed(hq * 10 + hkv + causal)
     q, k, v = _qkv(sum(LENGTHS), hq, hkv, 8, g)
-    layout = TokenLayout.from_lengths(LENGTHS, backend="sdpa")
+    layout = TokenSpans.from_lengths(LENGTHS, backend="sdpa")
     out = attend(q, k, v, layout, causal=causal)
     ref = naive_attention(q, k, v, block_mask(LENGTHS, causal))
     assert out.shape == q.shape and out.dtype == torch.float32
@@ -74,7 +75,7 @@ def test_packed_matches_naive(causal, heads):
 def test_packed_auto_backend_on_cpu_is_exact(backend):
     g = torch.Generator().manual_seed(3)
     q, k, v = _qkv(sum(LENGTHS), 4, 2, 8, g)
-    out = attend(q, k, v, TokenLayout.from_lengths(LENGTHS, backend=backend), causal=True)
+    out = attend(q, k, v, TokenSpans.from_lengths(LENGTHS, backend=backend), causal=True)
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, block_mask(LENGTHS, True)), rtol=1e-5, atol=1e-5)
 
 
@@ -82,22 +83,22 @@ def test_varlen_backend_on_cpu_fp32_is_an_explicit_error():
     g = torch.Generator().manual_seed(3)
     q, k, v = _qkv(5, 4, 2, 8, g)
     with pytest.raises(RuntimeError, match="varlen"):
-        attend(q, k, v, TokenLayout.from_lengths([2, 3], backend="varlen"), causal=True)
+        attend(q, k, v, TokenSpans.from_lengths([2, 3], backend="varlen"), causal=True)
 
 
 def test_packed_mask_matters():
     """Control: the naive reference with one big segment differs, so the comparison above can fail."""
     g = torch.Generator().manual_seed(4)
     q, k, v = _qkv(sum(LENGTHS), 4, 2, 8, g)
-    out = attend(q, k, v, TokenLayout.from_lengths(LENGTHS), causal=True).double()
+    out = attend(q, k, v, TokenSpans.from_lengths(LENGTHS), causal=True).double()
     wrong = naive_attention(q, k, v, block_mask([sum(LENGTHS)], True))
     assert (out - wrong).abs().max() > 1e-2
 
 
 def test_from_cu_seqlens_and_from_lengths_agree():
-    lay = TokenLayout.from_lengths([3, 1, 5])
+    lay = TokenSpans.from_lengths([3, 1, 5])
     assert lay.cu_seqlens.tolist() == [0, 3, 4, 9] and lay.cu_seqlens.dtype == torch.int32 and lay.max_seqlen == 5
-    lay2 = TokenLayout.from_cu_seqlens(torch.tensor([0, 3, 4, 9], dtype=torch.int64))
+    lay2 = TokenSpans.from_cu_seqlens(torch.tensor([0, 3, 4, 9], dtype=torch.int64))
     assert lay2.cu_seqlens.dtype == torch.int32 and lay2.max_seqlen == 5
 
 
@@ -114,7 +115,7 @@ def test_padded_matches_naive_per_row(causal, heads):
     pad_mask = torch.zeros(len(lengths), seq, dtype=torch.bool)
     for row, n in enumerate(lengths):
         pad_mask[row, :n] = True
-    out = attend(q, k, v, TokenLayout.from_pad_mask(pad_mask), causal=causal)
+    out = attend(q, k, v, TokenSpans.from_pad_mask(pad_mask), causal=causal)
     assert out.shape == q.shape
     # padded query rows are never read, but they must stay finite: a NaN there poisons the backward pass
     assert torch.isfinite(out).all()
@@ -126,7 +127,7 @@ def test_padded_matches_naive_per_row(causal, heads):
 def test_padded_without_mask_is_plain_causal():
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(2, 6, 4, 8, generator=g) for _ in range(3))
-    out = attend(q, k, v, TokenLayout(), causal=True)
+    out = attend(q, k, v, TokenSpans(), causal=True)
     for row in range(2):
         ref = naive_attention(q[row], k[row], v[row], block_mask([6], True))
         torch.testing.assert_close(out[row].double(), ref, rtol=1e-5, atol=1e-5)
@@ -137,7 +138,7 @@ def test_packed_gradients_stay_inside_each_sample():
     lengths = [5, 7]
     g = torch.Generator().manual_seed(11)
     q, k, v = (t.requires_grad_() for t in _qkv(12, 4, 2, 8, g))
-    out = attend(q, k, v, TokenLayout.from_lengths(lengths), causal=False)
+    out = attend(q, k, v, TokenSpans.from_lengths(lengths), causal=False)
     out[5:].sum().backward()
     assert k.grad[:5].abs().max() == 0 and v.grad[:5].abs().max() == 0 and q.grad[:5].abs().max() == 0
     assert k.grad[5:].abs().max() > 0
@@ -148,7 +149,7 @@ def test_packed_gradients_stay_inside_each_sample():
 
 def _logits(model, batch):
     with torch.no_grad():
-        return model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+        return model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
 
 
 def _naive_loss_sum(logits_per_sample: list[torch.Tensor], samples) -> torch.Tensor:
@@ -182,7 +183,7 @@ def test_bshd_and_thd_give_the_same_logits_and_loss(tiny_model, mixed_samples, t
     assert lt.shape == (thd.input_ids.numel(), 264) and lb.shape == (*bshd.input_ids.shape, 264)
     assert lt.dtype == lb.dtype == torch.float32
 
-    cu = thd.layout.cu_seqlens.tolist()
+    cu = thd.spans.cu_seqlens.tolist()
     per_sample_thd, per_sample_bshd = [], []
     for row, s in enumerate(samples):
         n = len(s)
@@ -205,7 +206,7 @@ def test_thd_without_boundaries_would_differ(tiny_model, mixed_samples, tok):
 
     model = sharpen(tiny_model)
     thd = pack_samples(mixed_samples, tok.pad_id, backend="sdpa")
-    one_segment = replace(thd, layout=TokenLayout.from_lengths([thd.input_ids.numel()]))
+    one_segment = replace(thd, spans=TokenSpans.from_lengths([thd.input_ids.numel()]))
     good, bad = _logits(model, thd), _logits(model, one_segment)
     start = len(mixed_samples[0])
     assert (good[start:] - bad[start:]).abs().max() > 1e-2
@@ -219,7 +220,7 @@ def test_bshd_and_thd_gradients_agree(tiny_model, mixed_samples, tok):
     grads = []
     for batch in (pack_samples(mixed_samples, tok.pad_id, multiple_of=4), pad_samples(mixed_samples, tok.pad_id)):
         model.zero_grad(set_to_none=True)
-        logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+        logits = model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
         token_loss_sum(logits, batch.labels).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
@@ -236,7 +237,7 @@ def test_each_sample_in_a_pack_equals_the_sample_alone(tiny_model, mixed_samples
     pack = pack_samples(mixed_samples, tok.pad_id, multiple_of=2)
     assert pack.positions.max() < max(len(s) for s in mixed_samples) + 2
     logits = _logits(model, pack)
-    cu = pack.layout.cu_seqlens.tolist()
+    cu = pack.spans.cu_seqlens.tolist()
     for k, s in enumerate(mixed_samples):
         alone = _logits(model, pack_samples([s], tok.pad_id))
         _check_close(logits[cu[k] : cu[k] + len(s)], alone)
@@ -283,7 +284,7 @@ def test_merge_rejects_wrong_placeholder_count(tiny_model, tok):
     batch = pack_samples([s], tok.pad_id)
     extra = torch.randn(3, 8, 12)  # 6 more embeddings than placeholders
     with pytest.raises(ValueError, match=r"4 placeholder tokens but the encoder produced 10"):
-        tiny_model(batch.input_ids, batch.positions, batch.layout, {"vision": [s.images[0], extra]})
+        tiny_model(batch.input_ids, batch.positions, batch.spans, {"vision": [s.images[0], extra]})
 
 
 def test_padding_labels_ignored_by_loss():

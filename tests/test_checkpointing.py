@@ -91,7 +91,7 @@ def _step(model, batch) -> tuple[dict[str, int], Counter, Counter, list[torch.Te
     hooks = [block.mlp.register_forward_pre_hook(lambda *_, key=f"{name}.{i}": calls.update([key]))
              for name in MODULES for i, block in enumerate(transformer_blocks(name, model.get_submodule(name)))]
     with _OpCounter() as fwd:
-        logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+        logits = model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
         loss = F.cross_entropy(logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
     with _OpCounter() as bwd:
         loss.backward()

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from loom.data.batch import Batch
-from loom.models.attention import TokenLayout, attend
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend
 from loom.parallel.context import shard_for_context, zigzag_indices
 
 
@@ -35,7 +36,7 @@ def _cp_attention_matches_whole_samples() -> dict:
     k = torch.randn(total, KV_HEADS, DIM, dtype=torch.float64)
     v = torch.randn(total, KV_HEADS, DIM, dtype=torch.float64)
     upstream = torch.randn(total, HEADS, DIM, dtype=torch.float64)
-    full = TokenLayout.from_lengths(LENGTHS)
+    full = TokenSpans.from_lengths(LENGTHS)
     # reference: plain causal attention per sample on one rank's full copy
     qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
     ref = attend(qr, kr, vr, full, causal=True)
@@ -47,7 +48,7 @@ def _cp_attention_matches_whole_samples() -> dict:
     local, _ = shard_for_context(batch, dist.group.WORLD, [])
     keep = local.input_ids
     ql, kl, vl = (t[keep].clone().requires_grad_(True) for t in (q, k, v))
-    out = attend(ql, kl, vl, local.layout, causal=True)
+    out = attend(ql, kl, vl, local.spans, causal=True)
     (out * upstream[keep]).sum().backward()
     # each rank's gradients cover its own tokens; summing the scattered pieces gives the whole gradient
     grads = {}
@@ -80,7 +81,7 @@ def test_cp_attention_equals_whole_sample_attention_on_4_ranks(worlds):
 def _selectors_pick_local_placeholder_rows() -> list[int]:
     pid = 7
     ids = torch.tensor([1, pid, pid, 2, 3, pid, 4, 5] + [pid, 6, 6, pid])  # two samples: 8 and 4 tokens
-    batch = Batch(ids, ids, torch.zeros(12, dtype=torch.long), TokenLayout.from_lengths([8, 4]), {})
+    batch = Batch(ids, ids, torch.zeros(12, dtype=torch.long), TokenSpans.from_lengths([8, 4]), {})
     local, sel = shard_for_context(batch, dist.group.WORLD, [pid])
     return sel[pid].tolist()
 

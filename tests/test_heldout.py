@@ -35,7 +35,7 @@ def _one_process_metrics(model, samples, tok) -> dict[str, float]:
     for task in sorted({s.task for s in samples}):
         batch = pack_samples([s for s in samples if s.task == task], tok.pad_id)
         with torch.no_grad():
-            logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+            logits = model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
         supervised = batch.labels != IGNORE_INDEX
         loss = float(token_loss_sum(logits, batch.labels))
         hits = int(((logits.argmax(-1) == batch.labels) & supervised).sum())

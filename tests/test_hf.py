@@ -30,7 +30,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa:
 
 import loom.cli  # noqa: E402
 from loom.config import load_config  # noqa: E402
-from loom.models.attention import TokenLayout  # noqa: E402
+from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import HFWeights, build_pretrained, config_from_folder, export_module, load_module  # noqa: E402
 from loom.models.layers import rope_inv_freq  # noqa: E402
 from loom.models.llm import DecoderLM  # noqa: E402
@@ -98,7 +98,7 @@ def hf(tmp_path_factory):
     return get
 
 
-def _logits(lm: DecoderLM, ids: torch.Tensor, positions: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+def _logits(lm: DecoderLM, ids: torch.Tensor, positions: torch.Tensor, layout: TokenSpans) -> torch.Tensor:
     with torch.no_grad():
         return lm(ids, positions, layout)
 
@@ -121,7 +121,7 @@ def test_llm_logits_match_hf(hf, family):
     ids = torch.randint(0, 272, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = ref_model(ids).logits
-    ours = _logits(lm, ids, torch.arange(24).expand(2, 24), TokenLayout())
+    ours = _logits(lm, ids, torch.arange(24).expand(2, 24), TokenSpans())
     assert ref.abs().max() > 1.0  # outputs far from zero: the tolerance is meaningful
     assert _max_diff(ours, ref) <= TOL
 
@@ -134,7 +134,7 @@ def test_llm_packed_matches_hf_per_sample(hf, family):
     g = torch.Generator().manual_seed(2)
     samples = [torch.randint(0, 272, (n,), generator=g) for n in lengths]
     positions = torch.cat([torch.arange(n) for n in lengths])  # restart at 0 in every sample
-    ours = _logits(lm, torch.cat(samples), positions, TokenLayout.from_lengths(lengths))
+    ours = _logits(lm, torch.cat(samples), positions, TokenSpans.from_lengths(lengths))
     with torch.no_grad():
         ref = torch.cat([ref_model(s[None]).logits[0] for s in samples])
     assert _max_diff(ours, ref) <= TOL
@@ -151,12 +151,12 @@ def test_rope_scaling_past_original_context(hf, family):
     positions = torch.arange(48)[None]
     with torch.no_grad():
         ref = ref_model(ids).logits
-    assert _max_diff(_logits(lm, ids, positions, TokenLayout()), ref) <= TOL
+    assert _max_diff(_logits(lm, ids, positions, TokenSpans()), ref) <= TOL
     # the scaling matters: the same weights without it are far off
     plain = rope_inv_freq(c.dim_per_head, c.rope_theta, None)
     assert not torch.allclose(lm.rotary.inv_freq, plain)
     lm.rotary.inv_freq = plain
-    assert _max_diff(_logits(lm, ids, positions, TokenLayout()), ref) > 1e-3
+    assert _max_diff(_logits(lm, ids, positions, TokenSpans()), ref) > 1e-3
 
 
 def test_siglip_matches_hf_and_skips_head(hf):
@@ -316,7 +316,7 @@ def test_job_loads_hf_modules_and_exports_its_checkpoint(hf, tmp_path, capsys):
     g = torch.Generator().manual_seed(6)
     ids, images, clips = torch.randint(0, 261, (1, 12), generator=g), torch.randn(1, 3, 16, 16), torch.randn(1, 16, 128)
     with torch.no_grad():
-        assert _max_diff(_logits(model.language, ids, torch.arange(12)[None], TokenLayout()),
+        assert _max_diff(_logits(model.language, ids, torch.arange(12)[None], TokenSpans()),
                          exported["language"](ids).logits) <= TOL
         assert _max_diff(model.vision.encoder(list(images)), exported["vision"](images).last_hidden_state[0]) <= TOL
         assert _max_diff(model.audio.encoder(list(clips)), exported["audio"](clips).last_hidden_state[0]) <= TOL
@@ -399,7 +399,7 @@ def _packed_logits_under_tp(folder: str, lengths: list[int]) -> torch.Tensor:
     ids = torch.cat([torch.randint(0, 272, (n,), generator=g) for n in lengths])
     positions = torch.cat([torch.arange(n) for n in lengths])
     with torch.no_grad():
-        return model.language(ids, positions, TokenLayout.from_lengths(lengths)).full_tensor()
+        return model.language(ids, positions, TokenSpans.from_lengths(lengths)).full_tensor()
 
 
 @pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen2", 4), ("qwen3", 4)])

@@ -163,8 +163,8 @@ def test_padded_microbatches_are_rows_by_the_longest_sample_every_step():
     for samples, _, plans in _padded_steps(cfg, tok, counters, batches):
         for p in plans:
             assert [tuple(mb.llm.input_ids.shape) for mb in p.microbatches] == [(2, s)] * 2  # R = 8 / (dp 2 · M 2)
-            lengths.add(tuple(int(n) for mb in p.microbatches for n in mb.llm.layout.pad_mask.sum(1)))
-        held = sorted(int(n) for p in plans for mb in p.microbatches for n in mb.llm.layout.pad_mask.sum(1))
+            lengths.add(tuple(int(n) for mb in p.microbatches for n in mb.llm.spans.pad_mask.sum(1)))
+        held = sorted(int(n) for p in plans for mb in p.microbatches for n in mb.llm.spans.pad_mask.sum(1))
         assert held == sorted(len(x) for x in samples)  # every sample once, whole, and no filler row
     assert len(lengths) > 1  # the samples differ from step to step; the shapes do not
 
@@ -200,7 +200,7 @@ def test_skipping_too_long_samples_keeps_every_microbatch_r_rows():
             for mb in p.microbatches:
                 b = mb.llm
                 assert tuple(b.input_ids.shape) == (2, 40)
-                filler = b.layout.pad_mask.sum(1) == 1  # a filler row: one real token, no label
+                filler = b.spans.pad_mask.sum(1) == 1  # a filler row: one real token, no label
                 assert ((b.labels != IGNORE_INDEX).sum(1)[filler] == 0).all()
                 real += int((~filler).sum())
         assert real == len(samples)
@@ -216,14 +216,14 @@ def test_filler_rows_change_nothing_and_give_no_nan(tiny_model, tok, mixed_sampl
 
     def loss_and_grads(batch):
         tiny_model.zero_grad()
-        logits = tiny_model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+        logits = tiny_model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
         loss = token_loss_sum(logits, batch.labels)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in tiny_model.named_parameters() if p.grad is not None}
 
     alone = pad_samples(mixed_samples, tok.pad_id)
     filled = pad_samples(mixed_samples, tok.pad_id, length=alone.input_ids.shape[1] + 8, rows=len(mixed_samples) + 2)
-    assert filled.layout.pad_mask[-2:].sum() == 2 and (filled.labels[-2:] == IGNORE_INDEX).all()
+    assert filled.spans.pad_mask[-2:].sum() == 2 and (filled.labels[-2:] == IGNORE_INDEX).all()
     (a, ga), (b, gb) = loss_and_grads(alone), loss_and_grads(filled)
     assert torch.isfinite(b) and all(torch.isfinite(g).all() for g in gb.values())
     torch.testing.assert_close(b, a)

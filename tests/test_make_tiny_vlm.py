@@ -129,14 +129,14 @@ def test_wavs_are_16_khz_pcm_and_heldout_media_are_not_training_media(out):
 
 def test_transformers_loads_the_folders_with_loom_s_outputs(out):
     transformers = pytest.importorskip("transformers")
-    from loom.models.attention import TokenLayout
+    from loom.data.spans import TokenSpans
     from loom.models.hf.load import build_pretrained
 
     ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(0))
     images = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = transformers.Qwen2ForCausalLM.from_pretrained(out / "llm").eval()(ids).logits
-        ours = build_pretrained(out / "llm").eval()(ids, torch.arange(16)[None], TokenLayout())
+        ours = build_pretrained(out / "llm").eval()(ids, torch.arange(16)[None], TokenSpans())
         assert (ref - ours).abs().max() <= 1e-5
         ref = transformers.SiglipVisionModel.from_pretrained(out / "vision").eval()(images).last_hidden_state
         ours = build_pretrained(out / "vision").eval()(list(images))

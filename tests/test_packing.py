@@ -75,10 +75,10 @@ def test_hand_built_pack_no_padding():
     # 11→(12 is prompt) ignored, 12→13, 13→14, 14 is last of A: never predicts 21
     assert batch.labels.tolist() == [X, 13, 14, X, 22, 23, X]
     assert batch.positions.tolist() == [0, 1, 2, 3, 0, 1, 2]
-    assert batch.layout.cu_seqlens.tolist() == [0, 4, 7]
-    assert batch.layout.cu_seqlens.dtype == torch.int32
-    assert batch.layout.max_seqlen == 4
-    assert batch.layout.packed and batch.layout.pad_mask is None
+    assert batch.spans.cu_seqlens.tolist() == [0, 4, 7]
+    assert batch.spans.cu_seqlens.dtype == torch.int32
+    assert batch.spans.max_seqlen == 4
+    assert batch.spans.packed and batch.spans.pad_mask is None
     assert batch.num_supervised == 4
 
 
@@ -88,7 +88,7 @@ def test_hand_built_pack_multiple_of_4():
     assert batch.labels.tolist() == [X, 13, 14, X, 22, 23, X, X]
     # the padding belongs to sample B: its positions continue, it is inside B's segment
     assert batch.positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert batch.layout.cu_seqlens.tolist() == [0, 4, 8]
+    assert batch.spans.cu_seqlens.tolist() == [0, 4, 8]
 
 
 def test_hand_built_pack_multiple_of_4_with_filler():
@@ -96,16 +96,16 @@ def test_hand_built_pack_multiple_of_4_with_filler():
     assert batch.input_ids.tolist() == [11, 12, 13, 14, 21, 22, 23, PAD] + [PAD] * 8
     assert batch.labels.tolist() == [X, 13, 14, X, 22, 23, X, X] + [X] * 8
     assert batch.positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3] + list(range(8))
-    assert batch.layout.cu_seqlens.tolist() == [0, 4, 8, 16]  # the filler is a segment of its own
-    assert batch.layout.max_seqlen == 8
+    assert batch.spans.cu_seqlens.tolist() == [0, 4, 8, 16]  # the filler is a segment of its own
+    assert batch.spans.max_seqlen == 8
 
 
 def test_hand_built_pad_samples():
     batch = pad_samples(_two_samples(), PAD)
     assert batch.input_ids.tolist() == [[11, 12, 13, 14], [21, 22, 23, PAD]]
     assert batch.labels.tolist() == [[X, 13, 14, X], [22, 23, X, X]]
-    assert batch.layout.pad_mask.tolist() == [[True] * 4, [True, True, True, False]]
-    assert batch.layout.pad_mask.dtype == torch.bool and not batch.layout.packed
+    assert batch.spans.pad_mask.tolist() == [[True] * 4, [True, True, True, False]]
+    assert batch.spans.pad_mask.dtype == torch.bool and not batch.spans.packed
     assert batch.positions[0].tolist() == [0, 1, 2, 3] and batch.positions[1, :3].tolist() == [0, 1, 2]
     assert batch.num_supervised == 4
 
@@ -115,7 +115,7 @@ def test_hand_built_pad_samples_multiple_of():
     assert batch.input_ids.shape == (2, 8)
     assert batch.input_ids.tolist() == [[11, 12, 13, 14] + [PAD] * 4, [21, 22, 23] + [PAD] * 5]
     assert batch.labels.tolist() == [[X, 13, 14, X] + [X] * 4, [22, 23, X] + [X] * 5]
-    assert batch.layout.pad_mask.tolist() == [[True] * 4 + [False] * 4, [True] * 3 + [False] * 5]
+    assert batch.spans.pad_mask.tolist() == [[True] * 4 + [False] * 4, [True] * 3 + [False] * 5]
     assert batch.positions[0, :4].tolist() == [0, 1, 2, 3] and batch.positions[1, :3].tolist() == [0, 1, 2]
 
 
@@ -131,10 +131,10 @@ def test_pack_matches_reference(multiple_of):
     assert batch.input_ids.tolist() == ids
     assert batch.labels.tolist() == labels
     assert batch.positions.tolist() == positions
-    assert batch.layout.cu_seqlens.tolist() == cu
+    assert batch.spans.cu_seqlens.tolist() == cu
     seg = [b - a for a, b in zip(cu[:-1], cu[1:])]
     assert all(n % multiple_of == 0 for n in seg)  # every sample's segment, padding included
-    assert batch.layout.max_seqlen == max(seg)
+    assert batch.spans.max_seqlen == max(seg)
     assert packed_length(samples, multiple_of) == len(ids)
 
 
@@ -144,7 +144,7 @@ def test_pack_invariants_per_segment(multiple_of):
     g = torch.Generator().manual_seed(10 + multiple_of)
     samples = _random_text_samples([5, 1, 9, 4, 12], g)
     batch = pack_samples(samples, PAD, multiple_of=multiple_of)
-    cu = batch.layout.cu_seqlens.tolist()
+    cu = batch.spans.cu_seqlens.tolist()
     assert len(cu) == len(samples) + 1 and cu[0] == 0 and cu[-1] == batch.input_ids.numel()
     for k, s in enumerate(samples):
         a, b = cu[k], cu[k + 1]
@@ -166,7 +166,7 @@ def test_pack_mixed_samples_matches_reference(mixed_samples, tok):
     assert batch.input_ids.tolist() == ids
     assert batch.labels.tolist() == labels
     assert batch.positions.tolist() == positions
-    assert batch.layout.cu_seqlens.tolist() == cu
+    assert batch.spans.cu_seqlens.tolist() == cu
 
 
 def test_labels_ignore_prompt_and_placeholders(mixed_samples, tok):
@@ -193,11 +193,11 @@ def test_sample_of_length_one():
     assert batch.input_ids.tolist() == [1, 2, 3, 42, 1, 2, 3]
     assert batch.labels.tolist() == [2, 3, X, X, 2, 3, X]
     assert batch.positions.tolist() == [0, 1, 2, 0, 0, 1, 2]
-    assert batch.layout.cu_seqlens.tolist() == [0, 3, 4, 7]
+    assert batch.spans.cu_seqlens.tolist() == [0, 3, 4, 7]
     batch = pack_samples([one], PAD, multiple_of=4)
     assert batch.input_ids.tolist() == [42, PAD, PAD, PAD]
     assert batch.labels.tolist() == [X] * 4
-    assert batch.layout.cu_seqlens.tolist() == [0, 4]
+    assert batch.spans.cu_seqlens.tolist() == [0, 4]
 
 
 @pytest.mark.parametrize("multiple_of", [1, 2, 4])
@@ -208,7 +208,7 @@ def test_pack_exactly_full_has_no_filler(multiple_of):
     batch = pack_samples(samples, PAD, multiple_of=multiple_of, pack_len=total)
     ids, labels, positions, cu = reference_pack(samples, PAD, multiple_of)
     assert len(cu) == len(samples) + 1  # no extra segment
-    assert batch.layout.cu_seqlens.tolist() == cu
+    assert batch.spans.cu_seqlens.tolist() == cu
     assert batch.input_ids.tolist() == ids and batch.labels.tolist() == labels
     assert batch.positions.tolist() == positions
 
@@ -222,7 +222,7 @@ def test_pack_with_filler(multiple_of):
     batch = pack_samples(samples, PAD, multiple_of=multiple_of, pack_len=pack_len)
     ids, labels, positions, cu = reference_pack(samples, PAD, multiple_of, pack_len)
     assert batch.input_ids.numel() == pack_len
-    assert batch.layout.cu_seqlens.tolist() == cu
+    assert batch.spans.cu_seqlens.tolist() == cu
     assert cu[-2] == total and cu[-1] == pack_len  # filler: its own segment
     assert batch.input_ids.tolist() == ids and batch.labels.tolist() == labels
     assert batch.positions.tolist() == positions
@@ -262,7 +262,7 @@ def test_pad_samples_matches_reference(multiple_of):
     batch = pad_samples(samples, PAD, multiple_of=multiple_of)
     seq = _ceil_to(max(len(s) for s in samples), multiple_of)
     assert batch.input_ids.shape == batch.labels.shape == batch.positions.shape == (len(samples), seq)
-    assert batch.layout.pad_mask.shape == (len(samples), seq)
+    assert batch.spans.pad_mask.shape == (len(samples), seq)
     for row, s in enumerate(samples):
         # each row, once its padding is cut, is exactly that sample packed alone
         ids, labels, positions, _ = reference_pack([s], PAD)
@@ -270,7 +270,7 @@ def test_pad_samples_matches_reference(multiple_of):
         assert batch.input_ids[row].tolist() == ids + [PAD] * (seq - n)
         assert batch.labels[row].tolist() == labels + [X] * (seq - n)
         assert batch.positions[row, :n].tolist() == positions
-        assert batch.layout.pad_mask[row].tolist() == [True] * n + [False] * (seq - n)
+        assert batch.spans.pad_mask[row].tolist() == [True] * n + [False] * (seq - n)
 
 
 # ---------------------------------------------------------------- modality inputs
@@ -331,6 +331,6 @@ def test_batch_to_keeps_everything(mixed_samples, tok):
     moved = batch.to("cpu")
     assert torch.equal(moved.input_ids, batch.input_ids) and torch.equal(moved.labels, batch.labels)
     assert torch.equal(moved.positions, batch.positions)
-    assert torch.equal(moved.layout.cu_seqlens, batch.layout.cu_seqlens)
-    assert moved.layout.max_seqlen == batch.layout.max_seqlen
+    assert torch.equal(moved.spans.cu_seqlens, batch.spans.cu_seqlens)
+    assert moved.spans.max_seqlen == batch.spans.max_seqlen
     assert [t.shape for t in moved.modality_inputs["vision"]] == [t.shape for t in batch.modality_inputs["vision"]]

@@ -17,7 +17,7 @@ from loom.bridge.colocated import ReplicaRows
 from loom.bridge.routes import step_chunks
 from loom.config import ConfigError, load_config
 from loom.data.batch import IGNORE_INDEX
-from loom.models.attention import TokenLayout
+from loom.data.spans import TokenSpans
 from loom.models.llm import DecoderLM, LLMConfig
 from loom.parallel.pipeline import (
     MicrobatchData,
@@ -221,7 +221,7 @@ def _packed_batch(vocab: int, lengths: list[int], g: torch.Generator):
     positions = torch.cat([torch.arange(n) for n in lengths])
     labels = torch.randint(0, vocab, (sum(lengths),), generator=g)
     labels[torch.rand(sum(lengths), generator=g) < 0.3] = IGNORE_INDEX  # some unsupervised tokens
-    return ids, positions, TokenLayout.from_lengths(lengths), labels
+    return ids, positions, TokenSpans.from_lengths(lengths), labels
 
 
 # (pp, virtual, schedule): the stage chain visits the ranks in loop or V order

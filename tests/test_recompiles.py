@@ -74,7 +74,7 @@ def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict
             inputs = step_inputs(trainer.batches, step, trainer.plan, cfg, trainer.tok, trainer.counters,
                                  trainer.device)
             for m in inputs.microbatches:
-                lay = m.llm.layout  # packed: segments (the filler one too); padded: rows with labels (samples)
+                lay = m.llm.spans  # packed: segments (the filler one too); padded: rows with labels (samples)
                 lengths = lay.cu_seqlens.diff() if lay.pad_mask is None else (m.llm.labels != IGNORE_INDEX).sum(1)
                 shapes.append((sum(1 for n in lengths.tolist() if n), *(len(items) for items in m.encoder_items.values())))
                 llm_shapes.add(tuple(m.llm.input_ids.shape))

@@ -24,7 +24,7 @@ def _tensors(inputs: StepInputs) -> list[torch.Tensor]:
     out = []
     for m in inputs.microbatches:
         b = m.llm
-        out += [b.input_ids, b.labels, b.positions, b.layout.cu_seqlens]
+        out += [b.input_ids, b.labels, b.positions, b.spans.cu_seqlens]
         out += [x for name in sorted(m.encoder_items) for x in m.encoder_items[name]]
     return out
 

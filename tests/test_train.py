@@ -49,7 +49,7 @@ def _naive_mean_loss(model, samples, pad_id) -> float:
     with torch.no_grad():
         for s in samples:
             b = pack_samples([s], pad_id)
-            logits = model(b.input_ids, b.positions, b.layout, b.modality_inputs).double()
+            logits = model(b.input_ids, b.positions, b.spans, b.modality_inputs).double()
             logp = logits - logits.logsumexp(-1, keepdim=True)
             for i in range(len(s) - 1):
                 if s.supervised[i + 1]:
@@ -81,7 +81,7 @@ def test_overfits_a_fixed_batch(tmp_path):
     # the answers are memorised, which needs the image / audio content (the prompts repeat across samples)
     b = pack_samples(samples, t.tok.pad_id)
     with torch.no_grad():
-        pred = t.model(b.input_ids, b.positions, b.layout, b.modality_inputs).argmax(-1)
+        pred = t.model(b.input_ids, b.positions, b.spans, b.modality_inputs).argmax(-1)
     sup = b.labels != IGNORE_INDEX
     assert (pred[sup] == b.labels[sup]).float().mean() > 0.95
 
@@ -259,7 +259,7 @@ def _grads_of_one_batch(t: Trainer):
 
     b = pack_samples(t.batches.shard(0), t.tok.pad_id)
     t.model.zero_grad(set_to_none=True)
-    logits = t.model(b.input_ids, b.positions, b.layout, b.modality_inputs)
+    logits = t.model(b.input_ids, b.positions, b.spans, b.modality_inputs)
     (token_loss_sum(logits, b.labels) / b.num_supervised).backward()
 
 
@@ -415,7 +415,7 @@ def test_an_encoder_without_inputs_still_runs_and_gets_zero_grads():
     assert batch.modality_inputs["audio"] == []
     calls = []
     model.audio.encoder.register_forward_hook(lambda *_: calls.append("audio"))
-    logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+    logits = model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
     logits.sum().backward()
     assert calls == ["audio"]
     for name, p in model.audio.named_parameters():

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from loom.data.sample import Sample, decoded
-from loom.models.attention import TokenLayout
+from loom.data.spans import TokenSpans
 
 IGNORE_INDEX = -100
 MODALITIES = ("vision", "audio")
@@ -20,7 +20,7 @@ class Batch:
     input_ids: torch.Tensor
     labels: torch.Tensor  # next-token targets; IGNORE_INDEX where nothing is supervised
     positions: torch.Tensor  # position of each token inside its own sample
-    layout: TokenLayout
+    spans: TokenSpans
     modality_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # in placeholder order
     host_ids: torch.Tensor | None = None  # input_ids as they were on the host before .to(device)
 
@@ -42,10 +42,10 @@ class Batch:
 
     def map(self, fn) -> Batch:
         """Every tensor through `fn`; the host ids stay on the host."""
-        lay = self.layout
-        layout = replace(lay, cu_seqlens=None if lay.cu_seqlens is None else fn(lay.cu_seqlens),
-                         pad_mask=None if lay.pad_mask is None else fn(lay.pad_mask))
-        return Batch(fn(self.input_ids), fn(self.labels), fn(self.positions), layout,
+        sp = self.spans
+        spans = replace(sp, cu_seqlens=None if sp.cu_seqlens is None else fn(sp.cu_seqlens),
+                         pad_mask=None if sp.pad_mask is None else fn(sp.pad_mask))
+        return Batch(fn(self.input_ids), fn(self.labels), fn(self.positions), spans,
                      {k: [fn(t) for t in v] for k, v in self.modality_inputs.items()},
                      self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids)
 
@@ -94,4 +94,4 @@ def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backen
     # SDPA kernels without a safe softmax); it has no labels, so it adds nothing to the loss or the gradients
     mask[len(samples):, 0] = True
     positions = torch.arange(seq).expand(rows, seq).clone()
-    return Batch(ids, labels, positions, TokenLayout.from_pad_mask(mask, backend), gather_modality_inputs(samples))
+    return Batch(ids, labels, positions, TokenSpans.from_pad_mask(mask, backend), gather_modality_inputs(samples))

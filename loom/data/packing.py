@@ -15,7 +15,7 @@ import torch
 
 from loom.data.batch import IGNORE_INDEX, Batch, gather_modality_inputs, round_up, shifted_labels
 from loom.data.sample import Sample
-from loom.models.attention import TokenLayout
+from loom.data.spans import TokenSpans
 
 
 def packed_length(samples: list[Sample], multiple_of: int = 1) -> int:
@@ -59,6 +59,6 @@ def pack_samples(
         torch.tensor(ids, dtype=torch.long),
         torch.tensor(labels, dtype=torch.long),
         torch.tensor(positions, dtype=torch.long),
-        TokenLayout.from_lengths(lengths, backend=backend),
+        TokenSpans.from_lengths(lengths, backend=backend),
         gather_modality_inputs(samples),
     )

@@ -1,6 +1,6 @@
-"""Attention backends behind one interface: padded (BSHD) and packed (THD) token layouts.
+"""Attention backends behind one interface: padded (BSHD) and packed (THD) token arrangements.
 
-Every module calls `attend(q, k, v, layout, causal)`. The layout says how tokens are arranged:
+Every module calls `attend(q, k, v, spans, causal)`. The spans say how tokens are arranged:
 - padded: q/k/v are [batch, seq, heads, dim] and `pad_mask` [batch, seq] marks real tokens;
 - packed: q/k/v are [tokens, heads, dim] and `cu_seqlens` [n+1] holds the sample offsets; attention
   never crosses a sample boundary.
@@ -10,81 +10,38 @@ Keys/values may have fewer heads than queries (grouped-query attention).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """How the tokens of one batch are arranged; built once per batch, shared by every layer."""
-
-    cu_seqlens: torch.Tensor | None = None  # packed: int32 [n_samples + 1]
-    max_seqlen: int = 0
-    pad_mask: torch.Tensor | None = None  # padded: bool [batch, seq], True at real tokens
-    backend: str = "auto"
-    # set under context parallelism: an object whose .attend(q, k, v, causal, backend) sees the other cp
-    # ranks' keys (loom.parallel.context.ContextShard); the model code never looks inside
-    context: object | None = None
-
-    @property
-    def packed(self) -> bool:
-        return self.cu_seqlens is not None
-
-    @staticmethod
-    def from_cu_seqlens(cu_seqlens: torch.Tensor, backend: str = "auto") -> TokenLayout:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        max_len = int(lengths.max()) if lengths.numel() else 0
-        return TokenLayout(cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max_len, backend=backend)
-
-    @staticmethod
-    def from_lengths(lengths: list[int], device: torch.device | str = "cpu", backend: str = "auto",
-                     segments: int = 0, max_seqlen: int = 0) -> TokenLayout:
-        """From host-side lengths: nothing is read back from the device (no stream sync mid-forward).
-        Fixed shapes for compiled blocks: `segments` pads cu_seqlens with empty trailing segments to that many,
-        `max_seqlen` replaces the longest length by an upper bound (both valid for every backend)."""
-        if segments and segments < len(lengths):
-            raise ValueError(f"TokenLayout: {len(lengths)} segments do not fit a budget of {segments}")
-        if max_seqlen and max_seqlen < max(lengths, default=0):
-            raise ValueError(f"TokenLayout: a segment of {max(lengths)} exceeds max_seqlen = {max_seqlen}")
-        cu = torch.zeros(max(len(lengths), segments) + 1, dtype=torch.int32)
-        cu[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-        cu[len(lengths) + 1 :] = sum(lengths)  # empty segments: attend to nothing, cost one idle block each
-        # non_blocking: a plain host-to-device copy would also wait for the stream to drain
-        cu = cu.to(device, non_blocking=True)
-        return TokenLayout(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend)
-
-    @staticmethod
-    def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenLayout:
-        return TokenLayout(pad_mask=pad_mask.bool(), max_seqlen=pad_mask.shape[1], backend=backend)
+from loom.data.spans import TokenSpans
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, causal: bool) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: TokenSpans, causal: bool) -> torch.Tensor:
     """Scaled dot-product attention; returns a tensor shaped like `q`."""
-    if layout.context is not None:
-        return layout.context.attend(q, k, v, causal, layout.backend)
-    if layout.packed:
-        if _use_varlen(layout.backend, q):
-            return _varlen(q, k, v, layout, layout, causal)
-        return _packed_sdpa(q, k, v, layout, causal)
-    return _padded_sdpa(q, k, v, layout, causal)
+    if spans.context is not None:
+        return spans.context.attend(q, k, v, causal, spans.backend)
+    if spans.packed:
+        if _use_varlen(spans.backend, q):
+            return _varlen(q, k, v, spans, spans, causal)
+        return _packed_sdpa(q, k, v, spans, causal)
+    return _padded_sdpa(q, k, v, spans, causal)
 
 
 def attend_prefix(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_layout: TokenLayout, k_layout: TokenLayout, backend: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spans: TokenSpans, k_spans: TokenSpans, backend: str
 ) -> torch.Tensor:
     """Packed causal attention where each sample's queries are the *last* tokens of its keys (a query
     block ending where its key prefix ends): the mask is causal aligned to the bottom-right corner."""
     if _use_varlen(backend, q):
-        return _varlen(q, k, v, q_layout, k_layout, causal=True)
-    return _prefix_sdpa(q, k, v, q_layout, k_layout)
+        return _varlen(q, k, v, q_spans, k_spans, causal=True)
+    return _prefix_sdpa(q, k, v, q_spans, k_spans)
 
 
 @torch.compiler.disable  # a Python loop over samples read from the data: nothing to compile
-def _prefix_sdpa(q, k, v, q_layout: TokenLayout, k_layout: TokenLayout) -> torch.Tensor:
+def _prefix_sdpa(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans) -> torch.Tensor:
     outs = []
-    qb, kb = q_layout.cu_seqlens.tolist(), k_layout.cu_seqlens.tolist()
+    qb, kb = q_spans.cu_seqlens.tolist(), k_spans.cu_seqlens.tolist()
     for qs, qe, ks, ke in zip(qb[:-1], qb[1:], kb[:-1], kb[1:]):
         if qe == qs:
             continue
@@ -114,7 +71,7 @@ except ImportError:
 _VARLEN_PARAMS = frozenset(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else frozenset()
 
 
-def _varlen(q, k, v, q_layout: TokenLayout, k_layout: TokenLayout, causal: bool) -> torch.Tensor:
+def _varlen(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans, causal: bool) -> torch.Tensor:
     """FlashAttention varlen; with fewer queries than keys its causal mask is bottom-right aligned."""
     fn, params = _VARLEN, _VARLEN_PARAMS
     kwargs = {}
@@ -128,7 +85,7 @@ def _varlen(q, k, v, q_layout: TokenLayout, k_layout: TokenLayout, causal: bool)
             kwargs["enable_gqa"] = True
         else:
             k, v = _repeat_kv(k, q.shape[-2]), _repeat_kv(v, q.shape[-2])
-    return fn(q, k, v, q_layout.cu_seqlens, k_layout.cu_seqlens, q_layout.max_seqlen, k_layout.max_seqlen, **kwargs)
+    return fn(q, k, v, q_spans.cu_seqlens, k_spans.cu_seqlens, q_spans.max_seqlen, k_spans.max_seqlen, **kwargs)
 
 
 def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -143,22 +100,22 @@ def _sdpa(q, k, v, mask=None, causal=False) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
 
-def _padded_sdpa(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
+def _padded_sdpa(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
     mask = None
-    if layout.pad_mask is not None:
+    if spans.pad_mask is not None:
         seq = q.shape[2]
-        mask = layout.pad_mask[:, None, None, :]  # keys that are real
+        mask = spans.pad_mask[:, None, None, :]  # keys that are real
         if causal:
             mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     return _sdpa(q, k, v, mask, causal).transpose(1, 2)
 
 
 @torch.compiler.disable  # a Python loop over samples read from the data: nothing to compile
-def _packed_sdpa(q, k, v, layout: TokenLayout, causal: bool) -> torch.Tensor:
+def _packed_sdpa(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
     # One SDPA call per sample: exact, memory O(max_seqlen²) rather than O(tokens²) for a block mask.
     # FlexAttention has no CPU backward and varlen_attn is GPU-only, so this is the CPU path.
-    bounds = layout.cu_seqlens.tolist()
+    bounds = spans.cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from loom.models.attention import TokenLayout, attend
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend
 from loom.models.layers import GeluMLP
 
 
@@ -21,9 +22,9 @@ class EncoderAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, spans: TokenSpans) -> torch.Tensor:
         q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.out_proj(attend(q, k, v, layout, causal=False).flatten(-2))
+        return self.out_proj(attend(q, k, v, spans, causal=False).flatten(-2))
 
 
 class EncoderLayer(nn.Module):
@@ -36,8 +37,8 @@ class EncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = GeluMLP(dim, mlp_dim, approximate=act)
 
-    def forward(self, h: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-        h = h + self.self_attn(self.layer_norm1(h), layout)
+    def forward(self, h: torch.Tensor, spans: TokenSpans) -> torch.Tensor:
+        h = h + self.self_attn(self.layer_norm1(h), spans)
         return h + self.mlp(self.layer_norm2(h))
 
 
@@ -78,8 +79,8 @@ def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList, budge
         h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
         step = FILL_ITEM if fits else fill
         lengths = [*lengths, *(min(step, fill - i) for i in range(0, fill, step))]
-    layout = TokenLayout.from_lengths(lengths, device=h.device, segments=budget.segments if fits else 0,
+    spans = TokenSpans.from_lengths(lengths, device=h.device, segments=budget.segments if fits else 0,
                                       max_seqlen=budget.rows if fits else 0)
     for layer in layers:
-        h = layer(h, layout)
+        h = layer(h, spans)
     return h[:rows]

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from loom.models.attention import TokenLayout, attend
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend
 from loom.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 
 
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: TokenLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans) -> torch.Tensor:
         # heads inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
@@ -58,7 +59,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = attend(q, k, v, layout, causal=True)
+        out = attend(q, k, v, spans, causal=True)
         return self.o_proj(out.flatten(-2))
 
 
@@ -70,8 +71,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: TokenLayout) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, layout)
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, spans)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -101,7 +102,7 @@ class DecoderLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        layout: TokenLayout,
+        spans: TokenSpans,
         inserts: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits for every token ([tokens] packed or [batch, seq] padded ids). `inserts` maps a placeholder
@@ -110,7 +111,7 @@ class DecoderLM(nn.Module):
         h = embed_with_inserts(self.embed_tokens, input_ids, inserts)
         rope = self.rotary(positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, layout)
+            h = layer(h, rope, spans)
         return self.lm_head(self.norm(h))
 
 

@@ -71,10 +71,10 @@ class MultimodalModel(nn.Module):
         return out
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, layout, modality_inputs: dict[str, list[torch.Tensor]]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, spans, modality_inputs: dict[str, list[torch.Tensor]]
     ) -> torch.Tensor:
         """Logits for every token of a packed or padded batch."""
-        return self.language(input_ids, positions, layout, self.inserts(input_ids, self.encode(modality_inputs)))
+        return self.language(input_ids, positions, spans, self.inserts(input_ids, self.encode(modality_inputs)))
 
 
 def build_model(

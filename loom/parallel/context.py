@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from loom.data.batch import Batch
-from loom.models.attention import TokenLayout, attend_prefix
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend_prefix
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -65,13 +66,13 @@ def zigzag_indices(lengths: list[int], rank: int, size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ContextShard:
-    """What the attention of one cp rank needs for one batch; carried by TokenLayout.context."""
+    """What the attention of one cp rank needs for one batch; carried by TokenSpans.context."""
 
     group: dist.ProcessGroup
     q_rows: tuple[torch.Tensor, torch.Tensor]  # local rows of each sample's first / second kept chunk
     k_rows: tuple[torch.Tensor, torch.Tensor]  # gathered (rank-major) rows of the causal prefix each attends to
-    q_layouts: tuple[TokenLayout, TokenLayout]  # per-sample query lengths of each half
-    k_layouts: tuple[TokenLayout, TokenLayout]  # per-sample key prefix lengths of each half
+    q_spans: tuple[TokenSpans, TokenSpans]  # per-sample query lengths of each half
+    k_spans: tuple[TokenSpans, TokenSpans]  # per-sample key prefix lengths of each half
 
     @torch.compiler.disable  # its K/V collectives stay eager: a compiled block splits around them
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: str) -> torch.Tensor:
@@ -82,7 +83,7 @@ class ContextShard:
         for half in (0, 1):
             qh = q[self.q_rows[half]]
             kh, vh = k_all[self.k_rows[half]], v_all[self.k_rows[half]]
-            oh = attend_prefix(qh, kh, vh, self.q_layouts[half], self.k_layouts[half], backend)
+            oh = attend_prefix(qh, kh, vh, self.q_spans[half], self.k_spans[half], backend)
             out = out.index_copy(0, self.q_rows[half], oh)
         return out
 
@@ -106,14 +107,14 @@ def shard_for_context(
         selectors[pid] = slot_index[keep][is_slot[keep]]
     local_lengths = [n // size for n in lengths]
     shard = _context(group, lengths, rank, size, device)
-    layout = replace(TokenLayout.from_lengths(local_lengths, device, batch.layout.backend), context=shard)
-    local = Batch(ids[keep], labels[keep], positions[keep], layout, batch.modality_inputs)
+    spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard)
+    local = Batch(ids[keep], labels[keep], positions[keep], spans, batch.modality_inputs)
     return local, selectors
 
 
 def _as_packed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    if batch.layout.packed:
-        cu = batch.layout.cu_seqlens.tolist()
+    if batch.spans.packed:
+        cu = batch.spans.cu_seqlens.tolist()
         return batch.input_ids, batch.labels, batch.positions, [b - a for a, b in zip(cu[:-1], cu[1:])]
     rows, seq = batch.input_ids.shape  # one sample per row; trailing pads are never attended (causal)
     return batch.input_ids.reshape(-1), batch.labels.reshape(-1), batch.positions.reshape(-1), [seq] * rows
@@ -141,6 +142,6 @@ def _context(group, lengths: list[int], rank: int, size: int, device) -> Context
         group,
         (t(q_rows[0]), t(q_rows[1])),
         (kv_order[k_rows[0]].to(device), kv_order[k_rows[1]].to(device)),
-        tuple(TokenLayout.from_lengths(q_lens[h], device) for h in (0, 1)),
-        tuple(TokenLayout.from_lengths(k_lens[h], device) for h in (0, 1)),
+        tuple(TokenSpans.from_lengths(q_lens[h], device) for h in (0, 1)),
+        tuple(TokenSpans.from_lengths(k_lens[h], device) for h in (0, 1)),
     )

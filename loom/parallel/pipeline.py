@@ -11,7 +11,7 @@ gathered in a `PipelinedLM` under the DecoderLM's names (`layers.7.mlp…`), so 
 verify and checkpoints name every weight as the one-process model does.
 
 Microbatches: the schedule passes each stage a microbatch index (`mb`, a host tensor); the stage reads that
-microbatch's positions, token layout (cu_seqlens, CP shard), labels and modality rows from a table the step
+microbatch's positions, token spans (cu_seqlens, CP shard), labels and modality rows from a table the step
 fills from host data before the schedule runs — only the hidden states travel between stages.
 Losses: the last stage returns the microbatch's summed token loss divided by the step's *global*
 supervised-token count, so the schedule's own gradient scaling stays off (`scale_grads=False`).
@@ -42,7 +42,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
-from loom.models.attention import TokenLayout
+from loom.data.spans import TokenSpans
 from loom.models.llm import DecoderLM, LLMConfig, embed_with_inserts
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class MicrobatchData:
     """What every stage needs of one microbatch besides the hidden states: built from host data."""
 
     positions: torch.Tensor
-    layout: TokenLayout
+    spans: TokenSpans
     labels: torch.Tensor
     # stage 0: placeholder id → its rows, or a function that returns them when the stage's forward runs
     # (non-colocated: the rows arrive from the encoder ranks while the schedule runs)
@@ -166,7 +166,7 @@ class LLMStage(nn.Module):
         h = embed_with_inserts(self.embed_tokens, x, data.stage_inserts()) if self.embed_tokens is not None else x
         rope = self.rotary(data.positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, data.layout)
+            h = layer(h, rope, data.spans)
         if self.lm_head is None:
             return h
         loss = self.table.token_loss(self.lm_head(self.norm(h)), data.labels) / self.table.divisor

@@ -66,10 +66,10 @@ def evaluate(
 def _teacher_forced(model, samples: list[Sample], tok, device, backend) -> list[tuple[int, int]]:
     """(correct next-token predictions, supervised tokens) per sample, given the true answer so far."""
     batch = pack_samples(samples, tok.pad_id, backend=backend).to(device)
-    logits = model(batch.input_ids, batch.positions, batch.layout, batch.modality_inputs)
+    logits = model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
     right = (logits.argmax(-1) == batch.labels) & (batch.labels != IGNORE_INDEX)
     supervised = batch.labels != IGNORE_INDEX
-    bounds = batch.layout.cu_seqlens.tolist()
+    bounds = batch.spans.cu_seqlens.tolist()
     return [(int(right[a:b].sum()), int(supervised[a:b].sum())) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
@@ -91,8 +91,8 @@ def greedy_generate(
     for _ in range(max_new_tokens):
         as_samples = [Sample(s, [False] * len(s), [], []) for s in seqs]
         batch = pack_samples(as_samples, tok.pad_id, backend=backend).to(device)
-        logits = model.language(batch.input_ids, batch.positions, batch.layout, model.inserts(batch.input_ids, embeds))
-        last = batch.layout.cu_seqlens[1:].long() - 1
+        logits = model.language(batch.input_ids, batch.positions, batch.spans, model.inserts(batch.input_ids, embeds))
+        last = batch.spans.cu_seqlens[1:].long() - 1
         next_ids = logits[last].argmax(-1).tolist()
         for i, t in enumerate(next_ids):
             if not done[i]:

@@ -123,7 +123,7 @@ def _run(plan, model: MultimodalModel, inputs: StepInputs, tp_group, autocast) -
             inserts = lambda i, sel: functools.partial(rows.inserts, i, sel) if plan.pipeline.first else {}  # noqa: E731
             return pipelined_heldout_step(model, inputs, comms, plan.pipeline, inserts, tp_group)
         return heldout_step(inputs, comms, lambda i, m, b, sel: model.language(
-            b.input_ids, b.positions, b.layout, rows.inserts(i, sel)), placeholders, tp_group, autocast)
+            b.input_ids, b.positions, b.spans, rows.inserts(i, sel)), placeholders, tp_group, autocast)
     if plan.pipeline is not None:
         rows = {}  # the three-phase step's first phase: each encoder on the whole step, rows to stage 0
         for name in model.encoder_names:

@@ -28,7 +28,7 @@ from loom.data.packing import pack_samples, packed_length
 from loom.data.conversations import BadSample
 from loom.data.sample import Sample, decoded
 from loom.data.tokenizer import Vocabulary
-from loom.models.attention import TokenLayout
+from loom.data.spans import TokenSpans
 from loom.topology.checks import sample_multiple
 from loom.topology.layout import resolve_placement
 
@@ -97,7 +97,7 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: in
         # fixed shapes, so a compiled block never recompiles: cu_seqlens of a fixed length (at most one segment
         # per sample of the global batch, plus the filler; each holds ≥ `multiple` tokens) and max_seqlen = T
         segments = min(cfg.train.global_batch_size + 1, length // multiple)
-        batch.layout = TokenLayout.from_lengths(batch.layout.cu_seqlens.diff().tolist(), backend=backend,
+        batch.spans = TokenSpans.from_lengths(batch.spans.cu_seqlens.diff().tolist(), backend=backend,
                                                 segments=segments, max_seqlen=length)
     return batch
 

@@ -140,7 +140,7 @@ def llm_train_step(model: MultimodalModel, optimizer, inputs: StepInputs, cfg: T
         if comms.cp_group is not None:
             batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
         with loss_parallel() if comms.loss_parallel else contextlib.nullcontext():
-            logits = model.language(batch.input_ids, batch.positions, batch.layout, rows.inserts(i, selectors))
+            logits = model.language(batch.input_ids, batch.positions, batch.spans, rows.inserts(i, selectors))
             loss_sum = loss_function(cfg.compile, comms.loss_parallel)(logits, batch.labels)
             (loss_sum / n_tokens).backward()
         rows.return_grads(i)

@@ -4,7 +4,7 @@
    once); the first-stage bridge delivers the rows to the LLM's stage-0 ranks, where they become leaves
    (detached, requiring grad) that the microbatches' stage-0 inputs slice.
 2. LLM: the pipeline schedule runs every microbatch forward and backward; each stage reads its
-   microbatch's positions, token layout and labels from host data, and the last stage returns each
+   microbatch's positions, token spans and labels from host data, and the last stage returns each
    microbatch's token loss divided by the step's global supervised-token count (from host data on every
    rank — not the last stage's count), so PP changes nothing numerically.
 3. Encoders' backward: the rows' gradients go back from stage 0 to the encoder replicas that produced them,
@@ -94,5 +94,5 @@ def schedule_inputs(model: MultimodalModel, micro: list[StepBatch], comms: StepC
         if comms.cp_group is not None:
             batch, selectors = shard_for_context(batch, comms.cp_group, list(model.placeholder_ids.values()))
         ids.append(batch.input_ids)
-        data.append(MicrobatchData(batch.positions, batch.layout, batch.labels, inserts(i, selectors)))
+        data.append(MicrobatchData(batch.positions, batch.spans, batch.labels, inserts(i, selectors)))
     return ids, data

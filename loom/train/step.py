@@ -61,7 +61,7 @@ def forward(
         if bridges:
             rows = bridges[name](rows, inputs.rows[name])
         embeds[name] = rows
-    return model.language(llm.input_ids, llm.positions, llm.layout, llm_inserts(model, inputs.llm, embeds, selectors))
+    return model.language(llm.input_ids, llm.positions, llm.spans, llm_inserts(model, inputs.llm, embeds, selectors))
 
 
 def llm_inserts(model: MultimodalModel, llm: Batch, rows: dict[str, torch.Tensor], selectors: dict | None

@@ -1,0 +1,54 @@
+"""How the tokens of a batch are arranged into samples: packed (THD, `cu_seqlens`) or padded (BSHD, a pad mask).
+
+Data builds it from host lengths; attention reads it. It lives in data/ so that data never imports a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenSpans:
+    """How the tokens of one batch are arranged; built once per batch, shared by every layer."""
+
+    cu_seqlens: torch.Tensor | None = None  # packed: int32 [n_samples + 1]
+    max_seqlen: int = 0
+    pad_mask: torch.Tensor | None = None  # padded: bool [batch, seq], True at real tokens
+    backend: str = "auto"
+    # set under context parallelism: an object whose .attend(q, k, v, causal, backend) sees the other cp
+    # ranks' keys (loom.parallel.context.ContextShard); the model code never looks inside
+    context: object | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @staticmethod
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, backend: str = "auto") -> TokenSpans:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        return TokenSpans(cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max_len, backend=backend)
+
+    @staticmethod
+    def from_lengths(lengths: list[int], device: torch.device | str = "cpu", backend: str = "auto",
+                     segments: int = 0, max_seqlen: int = 0) -> TokenSpans:
+        """From host-side lengths: nothing is read back from the device (no stream sync mid-forward).
+        Fixed shapes for compiled blocks: `segments` pads cu_seqlens with empty trailing segments to that many,
+        `max_seqlen` replaces the longest length by an upper bound (both valid for every backend)."""
+        if segments and segments < len(lengths):
+            raise ValueError(f"TokenSpans: {len(lengths)} segments do not fit a budget of {segments}")
+        if max_seqlen and max_seqlen < max(lengths, default=0):
+            raise ValueError(f"TokenSpans: a segment of {max(lengths)} exceeds max_seqlen = {max_seqlen}")
+        cu = torch.zeros(max(len(lengths), segments) + 1, dtype=torch.int32)
+        cu[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+        cu[len(lengths) + 1 :] = sum(lengths)  # empty segments: attend to nothing, cost one idle block each
+        # non_blocking: a plain host-to-device copy would also wait for the stream to drain
+        cu = cu.to(device, non_blocking=True)
+        return TokenSpans(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend)
+
+    @staticmethod
+    def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenSpans:
+        return TokenSpans(pad_mask=pad_mask.bool(), max_seqlen=pad_mask.shape[1], backend=backend)
