@@ -40,7 +40,7 @@ class LoomContender:
         return inputs
 
     def step(self, inputs: StepInputs, step: int) -> float:
-        return self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, step, self.device).loss
+        return self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, step).loss
 
     def llm_tokens(self, step: int) -> int:
         return sum(len(s) for s in self.workload.global_batch(step))

@@ -32,7 +32,6 @@ from loom.train.build import build_job_model, setup_parallel
 from loom.train.optim import ModuleOptimizers
 from loom.bridge.colocated import ReplicaRows
 from loom.train.inputs import StepInputs
-from loom.train.step import train_step
 
 # a ~0.4B-parameter Llama-shaped LLM; the encoders stay tiny (text-only samples: they run one dummy item)
 LLM = ["--model.language.hidden_size=1024", "--model.language.num_layers=16", "--model.language.num_heads=16",
@@ -80,7 +79,7 @@ def main() -> None:
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = train_step(model, optimizer, inputs, cfg.train, step, plan.comms, plan.bridges)
+        result = plan.train_step(model, optimizer, inputs, cfg, step)
         if gpu:
             torch.cuda.synchronize()
         if step >= args.warmup:

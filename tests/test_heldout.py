@@ -73,7 +73,7 @@ def _heldout_under_layout(overrides: list[str]) -> dict:
     batches = build_batches(cfg, data)
     for step in range(3):  # trained weights: token accuracy well away from 0
         plan.train_step(model, optimizer, step_inputs(batches, step, plan, cfg, tok, counters, torch.device("cpu")),
-                        cfg, step, torch.device("cpu"))
+                        cfg, step)
     mine = heldout_metrics(plan, model, data.heldout, cfg, tok, counters, torch.device("cpu"))
     materialize(reference, torch.device("cpu"), weights)
     held = [None] * dist.get_world_size()  # a pipelined LLM: each rank holds its stages' weights

@@ -16,7 +16,7 @@ from conftest import TINY_MODEL_OVERRIDES, tiny_llm_config
 from loom.bridge.colocated import ReplicaRows
 from loom.bridge.routes import step_chunks
 from loom.config import ConfigError, load_config
-from loom.data.batch import IGNORE_INDEX
+from loom.data.batch import IGNORE_INDEX, Batch
 from loom.data.spans import TokenSpans
 from loom.models.llm import DecoderLM, LLMConfig
 from loom.parallel.pipeline import (
@@ -224,6 +224,16 @@ def _packed_batch(vocab: int, lengths: list[int], g: torch.Generator):
     return ids, positions, TokenSpans.from_lengths(lengths), labels
 
 
+class _NoModalityRows:
+    """Stage 0's row source for a text-only batch."""
+
+    def inserts(self, i, selectors):
+        return {}
+
+    def backward_done(self, i):
+        pass
+
+
 # (pp, virtual, schedule): the stage chain visits the ranks in loop or V order
 SPLITS = [(2, 1, "1f1b"), (2, 2, "interleaved_1f1b"), (2, 2, "zbv"), (4, 1, "gpipe")]
 
@@ -256,9 +266,9 @@ def test_stages_chained_by_hand_equal_the_unsplit_model(pp, virtual, schedule, t
     owner = {}
     for r, lm in enumerate(ranks):
         lm.zero_grad(set_to_none=True)
-        lm.table.rows = [MicrobatchData(positions, layout, labels, inserts={})]
-        lm.table.divisor = n
-        lm.table.token_loss = token_loss_sum
+        lm.table.microbatches = [MicrobatchData(Batch(ids, labels, positions, layout), None)]
+        lm.table.rows = _NoModalityRows()
+        lm.table.loss = lambda logits, batch: token_loss_sum(logits, batch.labels) / n
         for module, s in zip(lm.stages, lm.indices):
             owner[s] = module
     assert sorted(owner) == list(range(n_stages))

@@ -23,6 +23,8 @@ class Batch:
     spans: TokenSpans
     modality_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # in placeholder order
     host_ids: torch.Tensor | None = None  # input_ids as they were on the host before .to(device)
+    # per-token fields shaped like `labels` (Sample.token_fields): moved, packed and sharded without being named
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_supervised(self) -> int:
@@ -47,7 +49,8 @@ class Batch:
                          pad_mask=None if sp.pad_mask is None else fn(sp.pad_mask))
         return Batch(fn(self.input_ids), fn(self.labels), fn(self.positions), spans,
                      {k: [fn(t) for t in v] for k, v in self.modality_inputs.items()},
-                     self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids)
+                     self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids,
+                     {k: fn(t) for k, t in self.fields.items()})
 
 
 def shifted_labels(sample: Sample) -> list[int]:
@@ -60,6 +63,14 @@ def shifted_labels(sample: Sample) -> list[int]:
 def supervised_count(sample: Sample) -> int:
     """Targets of a sample after the shift: what Batch.num_supervised counts for it."""
     return sum(label != IGNORE_INDEX for label in shifted_labels(sample))
+
+
+def field_names(samples: list[Sample]) -> set[str]:
+    """The token fields of a batch: every sample must carry the same ones (a batch tensor per name)."""
+    names = {frozenset(s.token_fields) for s in samples}
+    if len(names) > 1:
+        raise ValueError(f"samples of one batch carry different token fields: {sorted(map(sorted, names))}")
+    return set(next(iter(names), ()))
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -85,13 +96,17 @@ def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backen
     ids = torch.full((rows, seq), pad_id, dtype=torch.long)
     labels = torch.full((rows, seq), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((rows, seq), dtype=torch.bool)
+    fields = {name: torch.zeros((rows, seq)) for name in field_names(samples)}
     for row, s in enumerate(samples):
         n = len(s)
         ids[row, :n] = torch.tensor(s.tokens)
         labels[row, :n] = torch.tensor(shifted_labels(s))
         mask[row, :n] = True
+        for name, values in s.token_fields.items():
+            fields[name][row, :n] = torch.tensor(values, dtype=torch.float32)
     # a filler row's first token counts as real, so no query row is all masked (a softmax over nothing: NaN in
     # SDPA kernels without a safe softmax); it has no labels, so it adds nothing to the loss or the gradients
     mask[len(samples):, 0] = True
     positions = torch.arange(seq).expand(rows, seq).clone()
-    return Batch(ids, labels, positions, TokenSpans.from_pad_mask(mask, backend), gather_modality_inputs(samples))
+    return Batch(ids, labels, positions, TokenSpans.from_pad_mask(mask, backend), gather_modality_inputs(samples),
+                 fields=fields)

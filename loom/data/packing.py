@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.data.batch import IGNORE_INDEX, Batch, gather_modality_inputs, round_up, shifted_labels
+from loom.data.batch import IGNORE_INDEX, Batch, field_names, gather_modality_inputs, round_up, shifted_labels
 from loom.data.sample import Sample
 from loom.data.spans import TokenSpans
 
@@ -32,6 +32,7 @@ def pack_samples(
     if not samples and pack_len is None:
         raise ValueError("pack_samples: no samples to pack")
     ids, labels, positions, lengths = [], [], [], []
+    fields: dict[str, list[float]] = {name: [] for name in field_names(samples)}
     for s in samples:
         if len(s) == 0:
             raise ValueError("pack_samples: a sample has no tokens")
@@ -40,6 +41,8 @@ def pack_samples(
         labels += shifted_labels(s) + [IGNORE_INDEX] * (padded - n)
         positions += list(range(padded))
         lengths.append(padded)
+        for name, values in s.token_fields.items():
+            fields[name] += list(values) + [0.0] * (padded - n)
     total = len(ids)
     if pack_len is not None:
         if total > pack_len:
@@ -55,10 +58,13 @@ def pack_samples(
             labels += [IGNORE_INDEX] * fill
             positions += list(range(fill))
             lengths.append(fill)
+            for values in fields.values():
+                values += [0.0] * fill
     return Batch(
         torch.tensor(ids, dtype=torch.long),
         torch.tensor(labels, dtype=torch.long),
         torch.tensor(positions, dtype=torch.long),
         TokenSpans.from_lengths(lengths, backend=backend),
         gather_modality_inputs(samples),
+        fields={name: torch.tensor(values, dtype=torch.float32) for name, values in fields.items()},
     )

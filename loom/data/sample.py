@@ -54,6 +54,9 @@ class Sample:
     audio: list[Item]  # each [n_features, n_frames] once decoded
     task: str = ""  # the task or source it came from (held-out metrics are reported per task)
     where: str = ""  # file:line of a user's conversation
+    # per-token values an objective reads beside the labels (advantages, behaviour or reference logprobs, …):
+    # name → one value per token, aligned with the labels (value i belongs to the target at position i)
+    token_fields: dict[str, list[float]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)

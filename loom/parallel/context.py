@@ -108,7 +108,8 @@ def shard_for_context(
     local_lengths = [n // size for n in lengths]
     shard = _context(group, lengths, rank, size, device)
     spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard)
-    local = Batch(ids[keep], labels[keep], positions[keep], spans, batch.modality_inputs)
+    fields = {name: values.reshape(-1)[keep] for name, values in batch.fields.items()}  # shaped like the labels
+    local = Batch(ids[keep], labels[keep], positions[keep], spans, batch.modality_inputs, fields=fields)
     return local, selectors
 
 

@@ -11,10 +11,11 @@ gathered in a `PipelinedLM` under the DecoderLM's names (`layers.7.mlp…`), so 
 verify and checkpoints name every weight as the one-process model does.
 
 Microbatches: the schedule passes each stage a microbatch index (`mb`, a host tensor); the stage reads that
-microbatch's positions, token spans (cu_seqlens, CP shard), labels and modality rows from a table the step
-fills from host data before the schedule runs — only the hidden states travel between stages.
-Losses: the last stage returns the microbatch's summed token loss divided by the step's *global*
-supervised-token count, so the schedule's own gradient scaling stays off (`scale_grads=False`).
+microbatch's batch (positions, token spans with the CP shard, labels, per-token fields) from a table the step
+fills from host data before the schedule runs, and stage 0 asks the step's row source for its modality rows
+— only the hidden states travel between stages.
+Losses: the last stage returns the objective's loss of the microbatch divided by the step's normaliser (for
+SFT the *global* supervised-token count), so the schedule's own gradient scaling stays off (`scale_grads=False`).
 Gradient reduction (`parallel.pp_grad_reduce`): "step" is PipelineStage's own — FSDP2's sync off for every
 microbatch, one reduce-scatter per block after the last (unsharded gradients held through the step);
 "microbatch" keeps FSDP2's sync on (`ShardedGradStage`): each microbatch's backward reduce-scatters and
@@ -24,8 +25,8 @@ reshards, so memory stays sharded for M× the reduce-scatter traffic.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
-from loom.data.spans import TokenSpans
+from loom.data.batch import Batch
 from loom.models.llm import DecoderLM, LLMConfig, embed_with_inserts
 
 if TYPE_CHECKING:
@@ -118,34 +119,35 @@ def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[i
 # ---------------------------------------------------------------- stage modules
 
 
-MicrobatchInserts = dict[int, torch.Tensor] | Callable[[], dict[int, torch.Tensor]]
+class StageRows(Protocol):
+    """Where stage 0 gets each microbatch's modality rows, and whom it tells when a microbatch's backward is done
+    (train/rows.py: rows computed before the schedule, or received from encoder ranks while it runs)."""
+
+    def inserts(self, i: int, selectors: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]: ...
+
+    def backward_done(self, i: int) -> None: ...
 
 
 @dataclass
 class MicrobatchData:
     """What every stage needs of one microbatch besides the hidden states: built from host data."""
 
-    positions: torch.Tensor
-    spans: TokenSpans
-    labels: torch.Tensor
-    # stage 0: placeholder id → its rows, or a function that returns them when the stage's forward runs
-    # (non-colocated: the rows arrive from the encoder ranks while the schedule runs)
-    inserts: MicrobatchInserts = field(default_factory=dict)
-
-    def stage_inserts(self) -> dict[int, torch.Tensor]:
-        return self.inserts() if callable(self.inserts) else self.inserts
+    batch: Batch  # this cp rank's LLM part: positions, token spans, labels and per-token fields
+    selectors: dict[int, torch.Tensor] | None  # under cp: which of each modality's rows land on this rank
 
 
 class MicrobatchTable:
-    """The step's microbatches, filled by the step before the schedule runs; shared by this rank's stages."""
+    """One step's microbatches, where stage 0's rows come from and the last stage's loss: filled by `Pipeline.run`
+    before the schedule runs, read by this rank's stages (which hold the table from construction)."""
 
     def __init__(self) -> None:
-        self.rows: list[MicrobatchData] = []
-        self.divisor = 1  # the step's global supervised-token count
-        self.token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.microbatches: list[MicrobatchData] = []
+        self.rows: StageRows | None = None
+        # the last stage's loss of one microbatch, already divided by the step's normaliser
+        self.loss: Callable[[torch.Tensor, Batch], torch.Tensor] | None = None
 
     def __getitem__(self, mb: torch.Tensor) -> MicrobatchData:
-        return self.rows[int(mb)]  # a host tensor: no device sync
+        return self.microbatches[int(mb)]  # a host tensor: no device sync
 
 
 class LLMStage(nn.Module):
@@ -163,13 +165,16 @@ class LLMStage(nn.Module):
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         data = self.table[mb]
-        h = embed_with_inserts(self.embed_tokens, x, data.stage_inserts()) if self.embed_tokens is not None else x
-        rope = self.rotary(data.positions, h.dtype)
+        if self.embed_tokens is not None:
+            h = embed_with_inserts(self.embed_tokens, x, self.table.rows.inserts(int(mb), data.selectors))
+        else:
+            h = x
+        rope = self.rotary(data.batch.positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, data.spans)
+            h = layer(h, rope, data.batch.spans)
         if self.lm_head is None:
             return h
-        loss = self.table.token_loss(self.lm_head(self.norm(h)), data.labels) / self.table.divisor
+        loss = self.table.loss(self.lm_head(self.norm(h)), data.batch)
         return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over tp: every rank has it
 
 
@@ -216,26 +221,27 @@ def split_language(llm: DecoderLM, pp_rank: int, pp: int, virtual: int, schedule
 # ---------------------------------------------------------------- the schedule
 
 
-class LoomStage(PipelineStage):
-    """A PipelineStage that calls `after_backward(mb)` once its backward of microbatch `mb` is complete (the
-    non-colocated step returns stage 0's modality-row gradients to the encoder ranks then); the pipelining
-    stack has no such hook."""
+class RowsAwareStage(PipelineStage):
+    """A PipelineStage that tells stage 0's row source when its backward of a microbatch is complete (the
+    non-colocated step returns the modality rows' gradients to the encoder ranks then); the pipelining stack has
+    no such hook. Its module's table is the step's (`MicrobatchTable`), so nothing is reassigned per step."""
 
-    after_backward: Callable[[int], None] | None = None
+    def _rows_done(self, mb: int) -> None:
+        if self.stage_index == 0:
+            self.submod.table.rows.backward_done(mb)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        if full_backward and self.after_backward is not None:
-            self.after_backward(bwd_chunk_id)
+        if full_backward:
+            self._rows_done(bwd_chunk_id)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         # zero-bubble: the first stage runs its whole backward here (it has no input gradient to send)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        if self.after_backward is not None:
-            self.after_backward(bwd_chunk_id)
+        self._rows_done(bwd_chunk_id)
 
 
-class ShardedGradStage(LoomStage):
+class ShardedGradStage(RowsAwareStage):
     """A stage whose FSDP2 module reduce-scatters its gradients and reshards after every microbatch's
     backward, as FSDP2 does without a pipeline (`parallel.pp_grad_reduce = "microbatch"`). The schedule's
     closing `perform_reduce_grad` then finds no unsharded gradient left and reduces nothing a second time."""
@@ -263,7 +269,7 @@ class Pipeline:
         self.lm, self.indices, self.table, self.n_stages = lm, lm.indices, lm.table, lm.n_stages
         self.tied = tied  # an embedding tied to the head: its two copies' gradients are summed after the schedule
         self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
-        self.stage_class = ShardedGradStage if grad_reduce == "microbatch" else LoomStage
+        self.stage_class = ShardedGradStage if grad_reduce == "microbatch" else RowsAwareStage
         self.hidden_dtype, self.tp_shards = hidden_dtype, tp_shards  # tp_shards: tokens split over tp (SP)
         self.first = 0 in self.indices  # this rank runs stage 0: it embeds and inserts the modality rows
         self.schedule, self.stages = None, []
@@ -287,40 +293,24 @@ class Pipeline:
         self.schedule = cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages, self.microbatches,
                             loss_fn=lambda loss, _mb: loss, scale_grads=False)
 
-    def run(self, ids: list[torch.Tensor], rows: list[MicrobatchData], divisor: int, token_loss,
-            after_first_stage_backward: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Forward and backward of every microbatch, then a tied embedding's two gradients summed. `ids`: each
-        microbatch's stage-0 token ids (one shape);
-        `rows`: each microbatch's host-built data; `divisor`: the step's global supervised-token count.
-        `after_first_stage_backward(mb)`: called on stage 0 when microbatch mb's backward is done.
-        Returns this rank's summed (scaled) losses: 0 off the last stage."""
+    def run(self, microbatches: list[MicrobatchData], rows: StageRows,
+            loss: Callable[[torch.Tensor, Batch], torch.Tensor], train: bool = True) -> torch.Tensor:
+        """Every microbatch through the schedule — forward and backward (then a tied embedding's two gradients
+        summed), or forward only (the schedule's `eval`). `rows`: stage 0's modality rows; `loss`: the last
+        stage's loss of a microbatch, already divided by the step's normaliser. Returns this rank's summed
+        losses: 0 off the last stage."""
+        ids = [m.batch.input_ids for m in microbatches]  # stage 0's input: each microbatch's ids, one shape
         if self.schedule is None:
             self._build(ids[0])
-        for stage in self.stages:
-            stage.after_backward = after_first_stage_backward if stage.stage_index == 0 else None
-        self.table.rows, self.table.divisor, self.table.token_loss = rows, divisor, token_loss
+        self.table.microbatches, self.table.rows, self.table.loss = microbatches, rows, loss
         mb = torch.arange(self.microbatches)
         losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
         try:
             # the schedule cuts the concatenated ids (and mb) back into microbatches
-            self.schedule.step(torch.cat(ids), target=mb, losses=losses, mb=mb, return_outputs=False)
+            run(torch.cat(ids), target=mb, losses=losses, mb=mb, return_outputs=False)
         finally:
-            self.table.rows = []
-        if self.tied is not None:
+            self.table.microbatches, self.table.rows, self.table.loss = [], None, None
+        if train and self.tied is not None:
             self.tied.sum_grads()
-        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
-
-    def evaluate(self, ids: list[torch.Tensor], rows: list[MicrobatchData], token_loss) -> torch.Tensor:
-        """Forward only (the schedule's `eval`): this rank's summed token losses, 0 off the last stage."""
-        if self.schedule is None:
-            self._build(ids[0])
-        for stage in self.stages:  # eval's schedule still visits the backward slots, which skip: no hook
-            stage.after_backward = None
-        self.table.rows, self.table.divisor, self.table.token_loss = rows, 1, token_loss
-        mb = torch.arange(self.microbatches)
-        losses: list[torch.Tensor] = []
-        try:
-            self.schedule.eval(torch.cat(ids), target=mb, losses=losses, mb=mb, return_outputs=False)
-        finally:
-            self.table.rows = []
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)

@@ -13,23 +13,13 @@ import torch.distributed as dist
 from loom.config import JobConfig
 from loom.data.sample import Sample
 from loom.distributed import CollectiveStalled, is_stalled_collective, stalled_message
-from loom.train.build import (
-    build_batches,
-    build_job_model,
-    initial_weights,
-    check_data,
-    resolve_device,
-    setup_parallel,
-    token_counters,
-)
+from loom.train.build import build_job
 from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
-from loom.checkpoint.sharded import begin_save, load_sharded, tied_aliases
+from loom.checkpoint.sharded import begin_save, load_sharded
 from loom.train.evaluate import evaluate, heldout_report
 from loom.train.heldout import heldout_metrics
 from loom.train.metrics import MetricsLogger, WandbRun
-from loom.train.optim import ModuleOptimizers
-from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
-from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
+from loom.train.inputs import StepInputs, collate
 from loom.train.step import StepResult
 from loom.train.step_data import StepPrefetcher, plan_step, step_inputs
 
@@ -40,34 +30,20 @@ HEALTH = "health: which ranks stopped answering (gloo)"
 
 class Trainer:
     def __init__(self, cfg: JobConfig, device: torch.device | None = None) -> None:
-        self.cfg = cfg
-        torch.manual_seed(cfg.train.seed)  # initial weights are seeded per name; this seeds any later draw
-        self.device = device or resolve_device(cfg.train.device)
-        self.tok = job_tokenizer(cfg)
-        cfg = with_vocabulary(cfg, self.tok)  # the placeholders a pretrained tokenizer lacked get embedding rows
         self.resume_from = resume_path(cfg.run.resume, cfg.run.out_dir)  # files only: the same on every rank
-        self.model = build_job_model(cfg, self.tok)  # on meta until setup_parallel gives this rank its shards
-        self.counters = token_counters(self.model)
-        # every data line checked (a bad one stops the run) before any weight is read
-        self.data = build_job_data(cfg, self.tok, self.counters)
         # a resumed run takes its weights from the checkpoint: no Hugging Face folder is read
-        weights = initial_weights(self.model, cfg, pretrained=self.resume_from is None)
-        # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
-        self.cfg = cfg = with_padded_length(cfg, self.data.longest, layout_multiple(cfg))
-        self.weight_aliases = tied_aliases(self.model)  # taken before a pipeline split unties them
-        self.weight_names = set(self.model.state_dict()) - set(self.weight_aliases)
-        self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model (a rank may keep part)
-        self.plan = setup_parallel(self.model, cfg, self.device, weights)
-        weights.close()
-        check_data(cfg, self.plan, self.data)
-        self.optimizer = ModuleOptimizers(self.model, list(self.plan.hosted), cfg.train)
+        job = build_job(cfg, device, pretrained=self.resume_from is None)
+        self.cfg = cfg = job.cfg
+        self.device, self.tok, self.model, self.counters = job.device, job.tok, job.model, job.counters
+        self.data = job.data
+        self.plan, self.optimizer, self.batches = job.plan, job.optimizer, job.batches
+        self.weight_aliases, self.n_params = job.weight_aliases, job.n_params
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
         # rank 0 asks every rank over the health group which ones stopped answering (monitored barrier); the
         # background checkpoint writer's collectives run on a group of their own
         self.health_group = self._world_gloo_group(HEALTH) if self.plan.distributed else None
         self.save_group = self._world_gloo_group(ASYNC_SAVE) if self.plan.distributed and cfg.run.async_save else None
         self.step = 0
-        self.batches = build_batches(cfg, self.data)
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)["step"]
         self.prefetch = StepPrefetcher(
@@ -84,7 +60,7 @@ class Trainer:
         else:
             inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
         self.last_tokens, self.last_stats = inputs.global_tokens, inputs.stats
-        result = self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, self.step, self.device)
+        result = self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, self.step)
         self.step += 1
         return result
 
@@ -140,9 +116,9 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics, the same on every rank. One process: token accuracy and exact match of generated
-        answers. Under a layout: loss and token accuracy from a forward-only pass under the layout
-        (train/heldout.py; none yet with a pipelined LLM or non-colocated encoders) — no rank builds a second
-        model; exact match is `loom eval`'s, from the checkpoint."""
+        answers. Under a layout: loss and token accuracy from the step's program run forward only under the
+        layout (train/heldout.py) — no rank builds a second model; exact match is `loom eval`'s, from the
+        checkpoint."""
         samples = self.data.heldout
         if not samples:
             return {}

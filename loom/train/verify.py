@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,22 +19,13 @@ from rich.table import Table
 from torch.distributed.tensor import DTensor
 
 from loom.config import JobConfig
-from loom.train.build import (
-    build_batches,
-    build_job_model,
-    initial_weights,
-    check_data,
-    resolve_device,
-    setup_parallel,
-    token_counters,
-)
-from loom.parallel.materialize import materialize
 from loom.parallel.tied import tied_copy_names
+from loom.train.build import build_job
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
+from loom.train.inputs import StepInputs, collate
+from loom.train.objective import SFT, Objective
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
-from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
-from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
-from loom.train.step import StepComms, train_step
+from loom.train.rank_plan import one_process_plan
 from loom.train.step_data import global_batch, step_inputs
 
 AGAINST = ("layout", "compile", "bf16")
@@ -70,47 +62,41 @@ def checked_config(cfg: JobConfig, against: str, distributed: bool) -> JobConfig
 
 
 def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: torch.device | None = None,
-           console: Console | None = None, against: str = "layout") -> list[StepCheck]:
+           console: Console | None = None, against: str = "layout",
+           objective: Callable[[bool, bool], Objective] | None = None) -> list[StepCheck]:
+    """`objective(compiled, vocab_sharded)`: the objective both sides train (default SFT)."""
     if steps < 1:
         raise VerifyUsageError(f"--steps {steps}: verify needs at least one step")
     distributed = dist.is_initialized()
     checked = checked_config(cfg, against, distributed)
     tolerances = DEFAULT_TOLERANCES[checked.train.dtype] if tolerance is None else Tolerances.uniform(tolerance)
-    device = device or resolve_device(cfg.train.device)
-    tok = job_tokenizer(cfg)
-    cfg = with_vocabulary(cfg, tok)
-    checked = dataclasses.replace(checked, model=cfg.model)
-    model = build_job_model(cfg, tok)  # on meta: setup_parallel gives this rank storage for its shards only
-    counters = token_counters(model)
-    data = build_job_data(cfg, tok, counters)
-    weights = initial_weights(model, cfg)
-    reference = build_job_model(cfg, tok)
-    materialize(reference, device, weights)  # whole, never parallelised or compiled, fp32
-    cfg = with_padded_length(cfg, data.longest, layout_multiple(cfg))  # bshd: S fixed
-    checked = dataclasses.replace(checked, data=cfg.data)
-    plan = setup_parallel(model, checked, device, weights)
-    weights.close()
-    check_data(cfg, plan, data)
+    job = build_job(checked, device, reference=True)
+    cfg, model, reference, plan, batches = job.cfg, job.model, job.reference, job.plan, job.batches
     modules = [*reference.encoder_names, "language"]
-    optimizer, ref_optimizer = ModuleOptimizers(model, plan.hosted, cfg.train), ModuleOptimizers(reference, modules, cfg.train)
-    batches = build_batches(cfg, data)
-    eager_fp32 = dataclasses.replace(cfg.train, compile=False, dtype="fp32")
+    optimizer, ref_optimizer = job.optimizer, ModuleOptimizers(reference, modules, cfg.train)
+    # the reference: eager fp32 on one process, the whole global batch at once, the same objective
+    eager_fp32 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False, dtype="fp32"))
+    ref_plan = one_process_plan(modules, plan.sample_multiple, "fp32", job.device)
+    make_objective = objective or SFT
     out = console or Console(width=170)
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
     checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
     for step in range(steps):
-        mine = step_inputs(batches, step, plan, checked, tok, counters, device, data.bad)
-        full = StepInputs.of(collate(global_batch(batches, step, cfg, plan.sample_multiple), cfg, tok).to(device))  # the whole global batch at once
+        mine = step_inputs(batches, step, plan, cfg, job.tok, job.counters, job.device, job.data.bad)
+        whole_batch = global_batch(batches, step, cfg, plan.sample_multiple)
+        full = StepInputs.of(collate(whole_batch, eager_fp32, job.tok).to(job.device))
         ref_before, ref_grads = parameters(reference), {}
-        ref = train_step(reference, ref_optimizer, full, eager_fp32, step, StepComms(),
-                         inspect_grads=lambda m: ref_grads.update(gradients(m)))
+        ref = ref_plan.train_step(reference, ref_optimizer, full, eager_fp32, step,
+                                  inspect_grads=lambda m: ref_grads.update(gradients(m)),
+                                  objective=make_objective(False, False))
         if not (math.isfinite(ref.loss) and math.isfinite(ref.grad_norm)):
             raise ReferenceNotFinite(
                 f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
                 f"there is nothing to verify against; lower train.lr or check the data")
         before, grads, notes = parameters(model), {}, first_notes if step == 0 else []
-        r = plan.train_step(model, optimizer, mine, checked, step, device,
-                            inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)))
+        r = plan.train_step(model, optimizer, mine, cfg, step,
+                            inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)),
+                            objective=make_objective(cfg.train.compile, plan.run_context.vocab_sharded))
         updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
                                   tied_copy_names(model))
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,

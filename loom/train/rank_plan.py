@@ -1,0 +1,168 @@
+"""What the layouts give one rank, decided once at start-up: its groups, each module's share of every global
+batch, the step's seams (where rows come from, how the LLM runs) and where the step's reductions go."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from loom.bridge.colocated import ColocatedBridge
+from loom.bridge.first_stage import FirstStageBridge
+from loom.bridge.p2p import P2PBridge
+from loom.config import JobConfig
+from loom.models.multimodal import MultimodalModel
+from loom.parallel import parallelize
+from loom.parallel.checkpointing import checkpoint_blocks
+from loom.parallel.compile import compile_blocks
+from loom.parallel.materialize import InitialWeights, materialize
+from loom.parallel.pipeline import Pipeline
+from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
+from loom.topology import Topology
+from loom.topology.checks import sample_multiple
+from loom.train.encoder_ranks import EncoderRanks, stage0_order
+from loom.train.inputs import StepInputs
+from loom.train.job_model import initial_weights
+from loom.train.objective import SFT, Objective
+from loom.train.optim import GradNormShare
+from loom.train.rows import LocalRows, ReceivedRows, RowSource, WholeStepRows
+from loom.train.runners import LLMRunner, MicrobatchLoop, RunContext, ScheduleRunner
+from loom.train.step import StepComms, StepResult, train_step
+
+DATA_GROUP = "data: samples found bad when decoding (gloo)"
+
+
+@dataclass
+class RankPlan:
+    """This rank's part of every step. `rows` and `runner` are the step's two seams (None on an encoder rank
+    of a non-colocated job, which runs `encoder_ranks` instead)."""
+
+    topo: Topology | None
+    comms: StepComms
+    shares: dict[str, tuple[int | None, int]]  # module → (dp rank, or None where not hosted; dp size)
+    sample_multiple: int  # every sample's tokens are padded to a multiple of this (2·cp, ·tp under SP)
+    rows: RowSource | None
+    runner: LLMRunner | None
+    run_context: RunContext = field(default_factory=RunContext)
+    encoder_ranks: EncoderRanks | None = None
+    pipeline: Pipeline | None = None  # the LLM's schedule over this rank's stages, when pp > 1
+    hosted: tuple[str, ...] = ()  # the modules this rank holds (all of them unless non-colocated)
+    data_group: dist.ProcessGroup | None = None  # a user's data: the gloo world group agreeing on undecodable files
+
+    @property
+    def distributed(self) -> bool:
+        return self.topo is not None
+
+    @property
+    def is_logger(self) -> bool:
+        return not self.distributed or dist.get_rank() == 0
+
+    def objective(self, cfg: JobConfig) -> Objective:
+        """The job's objective on this rank's logits (SFT: the only one a config names yet)."""
+        return SFT(cfg.train.compile, self.run_context.vocab_sharded)
+
+    def train_step(self, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: JobConfig, step: int,
+                   inspect_grads=None, objective: Objective | None = None) -> StepResult:
+        return train_step(self, model, optimizer, inputs, cfg.train, step, objective or self.objective(cfg),
+                          inspect_grads)
+
+
+def one_process_plan(modules: list[str], multiple: int, dtype: str, device: torch.device) -> RankPlan:
+    """The plan of a run on one process (the reference of `loom verify` too): every module here, no bridge, the
+    microbatch loop, bf16 by autocast when asked (under a layout FSDP's policy casts instead)."""
+    autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if dtype == "bf16"
+                else RunContext().autocast)
+    return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, multiple, LocalRows(), MicrobatchLoop(),
+                    RunContext(autocast=autocast), hosted=tuple(modules))
+
+
+def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
+                   weights: InitialWeights | None = None) -> RankPlan:
+    """Every run: compile and checkpoint the blocks as configured. Under torchrun also: build every group,
+    apply each module's layout, and build the seams. Then the model (on `meta` until now) gets storage on
+    `device` for what this rank holds, filled from `weights` (default: the job's `initial_weights`)."""
+    modules = [*model.encoder_names, "language"]
+    if cfg.train.compile:  # traced lazily at the first step, so the layout below is what it sees
+        compile_blocks(model, modules, cfg)
+    # after compile (the compiled forward runs inside the checkpoint); TP/FSDP hooks stay outside it
+    checkpoint_blocks(model, modules, cfg.train.activation_checkpointing, cfg.train.compile)
+    if dist.is_initialized():
+        plan = _rank_plan(model, cfg, device, modules)
+    else:
+        plan = one_process_plan(modules, cfg.data.pad_to_multiple, cfg.train.dtype, device)
+    own = weights is None
+    weights = initial_weights(model, cfg) if own else weights
+    try:
+        materialize(model, device, weights, tied_copy_names(model))
+    finally:
+        if own:
+            weights.close()
+    return plan
+
+
+def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, modules: list[str]) -> RankPlan:
+    """The layouts applied to this rank's part of `model` (still on `meta`), and the step's seams chosen once."""
+    topo = Topology.build(cfg)
+    tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
+    me = topo.role()
+    for name in modules:  # non-colocated: a rank keeps only the modules it hosts
+        if not me.hosts(name):
+            delattr(model, name)
+    parallelize(model, topo, cfg, device.type)
+    lang = topo.grids["language"]
+    lay, hosts_llm = lang.layout, me.hosts("language")
+    shares = {m: (topo.grids[m].coord(me.rank)["dp"] if me.hosts(m) else None, topo.grids[m].layout.dp)
+              for m in modules}
+    hidden_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # FSDP's param dtype
+    pipeline = None
+    if lay.pp > 1 and hosts_llm:
+        tied = TiedEmbedding(model.language, tied_group) if cfg.model.language.tie_embeddings else None
+        pipeline = Pipeline(model.language, cfg.parallel.pp_schedule, cfg.train.microbatches, lang.group("pp"),
+                            device, hidden_dtype, lay.tp if lay.sequence_parallel else 1, cfg.parallel.pp_grad_reduce,
+                            tied)
+    comms = StepComms(norm_share(topo, modules), adds_loss=hosts_llm and lang.coord(me.rank)["tp"] == 0)
+    run_context = RunContext(lang.group("cp") if hosts_llm and lay.cp > 1 else None, vocab_sharded=lay.tp > 1)
+    bridges = _bridges(topo, model, cfg)
+    rows, encoder_ranks = None, None
+    if topo.placement.colocated:
+        rows = WholeStepRows(bridges, pipeline.first) if pipeline is not None else LocalRows(bridges)
+    else:
+        like = torch.empty((0, cfg.model.language.hidden_size), dtype=hidden_dtype, device=device)  # the rows'
+        if hosts_llm:
+            rows = ReceivedRows(bridges, like)
+        else:
+            order = stage0_order(cfg.parallel.pp_schedule, lay.pp * cfg.parallel.pp_virtual_stages,
+                                 cfg.train.microbatches)
+            encoder_ranks = EncoderRanks(bridges, list(me.modules), order, like)
+    runner = None if not hosts_llm else ScheduleRunner(pipeline) if pipeline is not None else MicrobatchLoop()
+    plan = RankPlan(topo, comms, shares, sample_multiple(lay, cfg), rows, runner, run_context, encoder_ranks,
+                    pipeline, me.modules)
+    if cfg.data.sources:
+        topo.registry.add(DATA_GROUP, [tuple(range(topo.placement.world_size))], backend="gloo")
+        plan.data_group = topo.registry.named(DATA_GROUP)
+    return plan
+
+
+def _bridges(topo: Topology, model: MultimodalModel, cfg: JobConfig) -> dict:
+    """Each encoder's bridge to the LLM: point-to-point between disjoint grids, or, colocated, into the
+    LLM's first pipeline stage (pp > 1) or into its replicas (pp = 1). Built on every rank, in one order."""
+    lang, names = topo.grids["language"], model.encoder_names
+    if not topo.placement.colocated:
+        # the row gradients travel on a second group over the world (bridge/p2p.py says why)
+        topo.registry.add("bridge: row gradients", [tuple(range(topo.placement.world_size))])
+        grads_group = topo.registry.named("bridge: row gradients")
+        return {m: P2PBridge(topo.grids[m], lang, dist.group.WORLD, grads_group, i, len(names))
+                for i, m in enumerate(names)}
+    if lang.layout.pp > 1:
+        return {m: FirstStageBridge(topo.grids[m], lang) for m in names}
+    return {m: ColocatedBridge(topo.grids[m], lang, cfg.parallel.debug_checks) for m in names}
+
+
+def norm_share(topo: Topology, modules: list[str]) -> GradNormShare:
+    """This rank's part of the global grad norm: each module's squared norm is added by the rank at dp = cp =
+    tp = 0 of each of its pipeline stages."""
+    me = topo.role()
+    first = {m for m in me.modules if all(v == 0 for d, v in topo.grids[m].coord(me.rank).items() if d != "pp")}
+    return GradNormShare(tuple(modules), frozenset(me.modules), frozenset(first))
