@@ -227,7 +227,7 @@ class RowsAwareStage(PipelineStage):
     no such hook. Its module's table is the step's (`MicrobatchTable`), so nothing is reassigned per step."""
 
     def _rows_done(self, mb: int) -> None:
-        if self.stage_index == 0:
+        if self.stage_index == 0 and self.has_backward:  # forward only (`eval`), the backward slots do nothing
             self.submod.table.rows.backward_done(mb)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
