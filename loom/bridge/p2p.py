@@ -91,7 +91,8 @@ class P2PBridge:
         for c in self._chunks(counts):
             if c.llm == self.my_llm and self.consumers[c.llm][0] == me:
                 payload = grad[c.dst : c.dst + c.n].contiguous()
-                works += [dist.isend(payload, r, self.grads_group, tag=self._tag(mb)) for r in self.producers[c.encoder]]
+                works += [dist.isend(payload, r, self.grads_group, tag=self._tag(mb))
+                          for r in self.producers[c.encoder]]
         return works
 
 
