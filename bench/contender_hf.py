@@ -31,7 +31,8 @@ class HFContender:
                                     num_hidden_layers=vc.num_layers, num_attention_heads=vc.num_heads,
                                     image_size=self.side, patch_size=vc.patch_size)
         config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1,
-                             image_token_index=self.tok.placeholder_ids["vision"], vision_feature_select_strategy="full")
+                             image_token_index=self.tok.placeholder_ids["vision"],
+                             vision_feature_select_strategy="full")
         config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
         torch.manual_seed(0)
         with torch.device(device):
@@ -54,7 +55,8 @@ class HFContender:
                 fully_shard(m, mp_policy=mp)
         fully_shard(self.model, mp_policy=mp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr,
-                                           betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=cfg.train.weight_decay,
+                                           betas=(cfg.train.beta1, cfg.train.beta2),
+                                           weight_decay=cfg.train.weight_decay,
                                            fused=device.type == "cuda" or None)  # as loom: fused on GPU
         self.grad_clip = cfg.train.grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -70,7 +72,8 @@ class HFContender:
 
     def inputs(self, step: int) -> dict:
         samples = self.workload.shard(step, self.rank, self.world)
-        rows = [[self.tok.bos_id] + [self.tok.placeholder_ids["vision"]] * self.patches + self._text(s) for s in samples]
+        image = [self.tok.placeholder_ids["vision"]] * self.patches
+        rows = [[self.tok.bos_id] + image + self._text(s) for s in samples]
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.tok.pad_id)
         labels = torch.full((len(rows), width), IGNORE_INDEX)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loom.config import load_config
+from loom.job import load_config
 from loom.data.packing import pack_samples
 from loom.data.sample import Sample
 from loom.data.tokenizer import ByteTokenizer

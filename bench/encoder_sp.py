@@ -64,7 +64,8 @@ def measure(sequence_parallel: bool, checkpointing: str, args, device: torch.dev
     local = [max(peaks), statistics.median(times)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
-    return {"sequence_parallel": sequence_parallel, "activation_checkpointing": checkpointing, "tp": dist.get_world_size(), "images": args.images,
+    return {"sequence_parallel": sequence_parallel, "activation_checkpointing": checkpointing,
+            "tp": dist.get_world_size(), "images": args.images,
             "side": args.side, "rows": rows, "activation_peak_gib": max(e[0] for e in everyone),
             "step_s": [min(times), statistics.median(times), max(times)]}
 

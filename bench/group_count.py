@@ -47,7 +47,7 @@ def measure(plan: str, registry: str, rank: int, repeats: int) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from loom.config import load_config
+    from loom.job import load_config
     from loom.topology import GroupRegistry, Topology
 
     cfg = load_config(None, COMMON + PLANS[plan], world_size=WORLD)
@@ -65,7 +65,8 @@ def measure(plan: str, registry: str, rank: int, repeats: int) -> dict:
         dist.destroy_process_group()
     return {"bench": "group_count", "plan": plan, "registry": registry, "world": WORLD, "rank": rank,
             "dim_sets": len(reg.dim_sets), "groups": reg.created,
-            "single_rank_groups": sum(len(r) == 1 for r in groups), "member_of": sum(g is not None for g in groups.values()),
+            "single_rank_groups": sum(len(r) == 1 for r in groups),
+            "member_of": sum(g is not None for g in groups.values()),
             "startup_s": round(statistics.median(times), 4), "repeats": repeats}
 
 

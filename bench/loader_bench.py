@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loom.config import load_config  # noqa: E402
+from loom.job import load_config  # noqa: E402
 from loom.train.build import build_batches, build_job_model, token_counters  # noqa: E402
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary  # noqa: E402
 from loom.train.step_data import StepPrefetcher, plan_step  # noqa: E402
@@ -120,7 +120,7 @@ def train(cfg, workers: int, steps: int) -> dict:
     import torch
 
     from bench.mm_bench import AUDIO, LLM, VIT
-    from loom.config import load_config as load
+    from loom.job import load_config as load
     from loom.train.trainer import Trainer
 
     sizes = [x for x in LLM if "vocab_size" not in x] + VIT + AUDIO  # the vocabulary: the tokenizer's
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("| workers | samples/s | LLM tokens/s | tokens/sample | wait per step s (min / median / max) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['workers']} | {r['samples_per_s']:,.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_sample']:,.0f} "
+        print(f"| {r['workers']} | {r['samples_per_s']:,.1f} | {r['tokens_per_s']:,.0f} "
+              f"| {r['tokens_per_sample']:,.0f} "
               f"| {' / '.join(f'{x:.3f}' for x in r['wait_s'])} |")
     for name, rate in GPU_TOKENS_PER_S.items() if not args.small else ():
         print(f"one H200, 2B workload, {name}: {rate:,} tokens/s; best row here: "

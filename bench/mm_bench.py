@@ -32,7 +32,7 @@ from torch.autograd import DeviceType
 from bench.flops import step_flops
 from bench.overlap import merge_intervals
 from bench.workload import SMALL, PackedSteps, Shape
-from loom.config import load_config
+from loom.job import load_config
 from loom.distributed import init_distributed, shutdown
 from loom.parallel.compile import compiled_frames
 
@@ -166,7 +166,8 @@ def main() -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({
             "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
-            "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq, "samples_per_gpu": per_gpu,
+            "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq,
+            "samples_per_gpu": per_gpu,
             "pad_to": args.pad_to if args.format == "bshd" or args.system == "hf" else None, "adam": args.adam,
             "padded_length": cfg.data.padded_length or None,
             "llm": args.llm, "images_per_sample": args.images, **placement_of(contender),

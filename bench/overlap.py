@@ -82,7 +82,8 @@ def main() -> None:
             t = json.load(f)
         by_rank[t["rank"]] = t
     groups = dict(g.split("=", 1) for g in args.group)
-    busy = {name: [tuple(iv) for r in parse_ranks(ranks) for iv in by_rank[r]["busy"]] for name, ranks in groups.items()}
+    busy = {name: [tuple(iv) for r in parse_ranks(ranks) for iv in by_rank[r]["busy"]]
+            for name, ranks in groups.items()}
     windows = [tuple(w) for w in by_rank[min(by_rank)]["steps"]]
     print(json.dumps({"label": args.label, "groups": groups, **overlap_report(busy, windows)}))
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import loom
 
 from bench.mm_bench import AUDIO, LLM, SMALL_MODEL, VIT
-from loom.config import load_config
+from loom.job import load_config
 from loom.data.tokenizer import ByteTokenizer
 from loom.distributed import init_distributed, shutdown
 from loom.train.build import build_job_model, setup_parallel
@@ -73,7 +73,8 @@ def main() -> None:
         print(json.dumps({
             "bench": "startup", "start_up": "whole model, then sharded" if old else "meta, then shards",
             "gpus": world if gpu else 0, "ranks": world, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
-            "torch": torch.__version__, "commit": commit or None, "loom": str(Path(loom.__file__).parent), "params_b": round(n_params / 1e9, 3),
+            "torch": torch.__version__, "commit": commit or None, "loom": str(Path(loom.__file__).parent),
+            "params_b": round(n_params / 1e9, 3),
             "overrides": args.set, **{f"max_{k}": None if v is None else round(v, 3) for k, v in worst.items()},
             "per_rank": [{k: None if v is None else round(v, 3) for k, v in r.items()} for r in ranks],
         }))

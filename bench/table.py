@@ -17,11 +17,13 @@ def label(r: dict) -> str:
 def main(path: str) -> None:
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.startswith("{")]
-    print("| GPUs | seq | contender | tokens/s per GPU | TFLOP/s per GPU | MFU | peak memory (GiB) | padding | step (s) |")
+    print("| GPUs | seq | contender | tokens/s per GPU | TFLOP/s per GPU | MFU | peak memory (GiB) | padding "
+          "| step (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "–"
-        print(f"| {r['gpus']} | {r['seq']} | {label(r)} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']} | {mfu} "
+        print(f"| {r['gpus']} | {r['seq']} | {label(r)} | {r['tokens_per_s_per_gpu']:,.0f} "
+              f"| {r['tflops_per_gpu']} | {mfu} "
               f"| {r['peak_mem_gib']} | {r['padding_fraction']:.1%} | {r['step_s']} |")
 
 

@@ -41,7 +41,8 @@ def sample(rng: np.random.Generator, shape: Shape, tok: ByteTokenizer) -> Sample
         frames = int(rng.integers(*shape.audio_frames))
         clips = [torch.from_numpy(rng.standard_normal((shape.mels, frames), dtype=np.float32))]
     text = rng.integers(0, 256, int(rng.integers(*shape.text))).tolist()
-    prompt = [tok.bos_id] + [tok.placeholder_ids["vision"]] * sum((h // shape.patch) * (w // shape.patch) for h, w in sizes)
+    patches = sum((h // shape.patch) * (w // shape.patch) for h, w in sizes)
+    prompt = [tok.bos_id] + [tok.placeholder_ids["vision"]] * patches
     prompt += [tok.placeholder_ids["audio"]] * sum((c.shape[1] + 1) // 2 for c in clips)
     return Sample(prompt + text, [False] * len(prompt) + [True] * len(text), images, clips)
 

@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError
+from loom.job import load_config
 
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")  # what `loom train` runs with no CONFIG

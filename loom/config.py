@@ -1,34 +1,29 @@
-"""Typed job configuration: dataclasses loaded from TOML, dotted CLI overrides (read by typed_config.py), one
-validate().
+"""The job's configuration as data: the JobConfig dataclasses, read from TOML with dotted `--a.b=value`
+overrides (typed_config.py), and the checks that need nothing but the config's own fields — a value's sign or
+range, fields that must agree with each other.
 
-Every problem is reported before any model is built, with the dotted key, the value and what is allowed.
+Checks against other parts of loom (the model's sizes, the data on disk, the layout on the ranks) live with
+those parts, and loom/job.py runs all of them in order. This module imports only typed_config.py and the
+model's config dataclasses (ModelConfig and the sizes in it, defined in loom/models, which never imports it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loom.data.tables import is_table
-from loom.models.audio import AudioConfig
-from loom.models.llm import LLMConfig
-from loom.models.vision import VisionConfig
-from loom.typed_config import ConfigError, choice, from_dict, parse_override, set_dotted
-
-
-@dataclass
-class ModelConfig:
-    encoders: list[str] = field(default_factory=lambda: ["vision", "audio"])
-    # a Hugging Face tokenizer folder (tokenizer.json + chat template) for data.sources; empty: loom's byte
-    # tokenizer, which the built-in tasks use
-    tokenizer: str = ""
-    attention: str = choice("auto", "auto", "sdpa", "varlen")
-    language: LLMConfig = field(default_factory=LLMConfig)
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    audio: AudioConfig = field(default_factory=AudioConfig)
+from loom.models.multimodal import ModelConfig
+from loom.typed_config import (
+    ConfigError,
+    check_non_negative,
+    check_positive,
+    choice,
+    from_dict,
+    parse_override,
+    set_dotted,
+)
 
 
 @dataclass
@@ -112,7 +107,8 @@ class RunConfig:
     progress: bool = True  # live progress bar; plain log lines when false or not a terminal
     save_every: int = 0  # 0: save a checkpoint only at the end
     async_save: bool = False  # write checkpoints in the background (host copy first); published at the next save
-    keep_last: int = 0  # sharded step-N checkpoints kept in out_dir (0: all); older ones go after a newer one is complete
+    # sharded step-N checkpoints kept in out_dir (0: all); older ones go after a newer one is complete
+    keep_last: int = 0
     resume: str = ""  # "" fresh; "auto": out_dir's latest checkpoint (fresh if none); or a checkpoint folder
 
 
@@ -124,7 +120,8 @@ class ModuleLayoutConfig:
     cp: int = 1
     pp: int = 1
     dp: int = 0
-    ranks: str | int = ""  # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for it the whole world
+    # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for the LLM the whole world
+    ranks: str | int = ""
     sequence_parallel: bool = False  # shard the residual stream's tokens (an encoder's packed rows) over tp
 
 
@@ -164,14 +161,12 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
-# ---------------------------------------------------------------- loading
+# ---------------------------------------------------------------- reading
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
-) -> JobConfig:
-    """Defaults ← TOML file ← `--a.b=value` overrides, then validate() (layouts too when the world size is
-    known, from the argument or layout.world_size)."""
+def read_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Defaults ← TOML file ← `--a.b=value` overrides; types and choices checked, nothing else (loom/job.py's
+    load_config() runs every check)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -184,35 +179,16 @@ def load_config(
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(data, key, value)
-    cfg = from_dict(JobConfig, data, "")
-    cfg.model = _with_pretrained_sizes(cfg.model)
-    validate(cfg, world_size)
-    return cfg
+    return from_dict(JobConfig, data, "")
 
 
-def _with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
-    """A module whose `hf` folder is set takes its sizes from that folder's config.json."""
-    if not any(getattr(getattr(m, name, None), "hf", "") for name in ("language", *m.encoders)):
-        return m
-    from loom.models.hf import HFError, resolve_pretrained_configs
-
-    try:
-        return resolve_pretrained_configs(m)
-    except HFError as e:
-        raise ConfigError(str(e)) from None
+# ---------------------------------------------------------------- checks of the config alone
 
 
-# ---------------------------------------------------------------- validation
-
-
-def validate(cfg: JobConfig, world_size: int | None = None) -> None:
-    """Checks that need more than one field; raises ConfigError on the first problem."""
-    from loom.data.tokenizer import ByteTokenizer
-    from loom.topology.checks import check_placement
-    from loom.topology.layout import resolve_placement
-
+def check_values(cfg: JobConfig) -> None:
+    """Each value on its own: signs, ranges, names; raises ConfigError on the first problem."""
     m, d, t = cfg.model, cfg.data, cfg.train
-    _positive(
+    check_positive(
         {
             "train.steps": t.steps,
             "train.global_batch_size": t.global_batch_size,
@@ -230,7 +206,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "model.language.num_kv_heads": m.language.num_kv_heads,
         }
     )
-    _non_negative(
+    check_non_negative(
         {
             "train.lr": t.lr,
             "train.warmup_steps": t.warmup_steps,
@@ -247,7 +223,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     for name in ("vision", "audio", "language"):
         if getattr(t, name).lr_scale < 0:
             raise ConfigError(f"train.{name}.lr_scale = {getattr(t, name).lr_scale} must be ≥ 0")
-    if all(getattr(t, n).freeze for n in ("language", *m.encoders)):
+    # an unknown encoder has no train.<name> table: not frozen here, reported just below
+    if all(getattr(getattr(t, n, None), "freeze", False) for n in ("language", *m.encoders)):
         raise ConfigError("every module is frozen (train.<module>.freeze = true); nothing would train")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must lie in [0, 1]")
@@ -257,23 +234,11 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     for name in m.encoders:
         if name not in ("vision", "audio"):
             raise ConfigError(f"model.encoders contains {name!r}; allowed: ['vision', 'audio']")
-    if d.sources:
-        _validate_sources(cfg)
-    else:
-        _validate_tasks(cfg)
-    _positive({f"model.{name}.{k}": v for name in ("language", *m.encoders)
-               for k, v in dataclasses.asdict(getattr(m, name)).items()
-               if k in _SIZE_FIELDS and not (k == "head_dim" and v == 0)})
-    _validate_language(m.language, 0 if d.sources else ByteTokenizer().vocab_size)  # a tokenizer's: job_data grows it
-    for name in m.encoders:
-        enc = getattr(m, name)
-        if enc.hidden_size % enc.num_heads:
-            raise ConfigError(
-                f"model.{name}.hidden_size = {enc.hidden_size} is not divisible by "
-                f"model.{name}.num_heads = {enc.num_heads}"
-            )
-    if m.vision.position_grid < 1 or m.vision.patch_size < 1:
-        raise ConfigError("model.vision.patch_size and model.vision.position_grid must be ≥ 1")
+
+
+def check_combinations(cfg: JobConfig) -> None:
+    """Fields that must agree with each other (attention backend and device, batch shape and format, ...)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
     if m.attention == "varlen" and (t.device == "cpu" or d.format != "thd"):
         raise ConfigError(
             "model.attention = 'varlen' runs only on CUDA with packed batches (data.format = 'thd'); "
@@ -290,9 +255,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by train.microbatches "
                           f"= {t.microbatches}; or set data.tokens_per_microbatch to pack microbatches by tokens")
     for name, rows in d.encoder_rows_per_microbatch.items():
-        if name not in cfg.model.encoders or not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        if name not in m.encoders or not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
             raise ConfigError(f"data.encoder_rows_per_microbatch.{name} = {rows!r}: expected a positive row count "
-                              f"for one of model.encoders = {cfg.model.encoders}")
+                              f"for one of model.encoders = {m.encoders}")
     if t.activation_checkpointing == "selective" and t.compile:
         raise ConfigError(
             "train.activation_checkpointing = 'selective' does not compose with train.compile = true: its per-op "
@@ -300,101 +265,3 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             "checkpoint needs blocks without graph breaks (loom's CPU/fp32 and context-parallel attention break "
             "them); use 'full' with compile, or 'selective' without it"
         )
-    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("run.wandb = true needs the wandb package, which is not installed: "
-                          "pip install 'loom[wandb]' (or set run.wandb = false)")
-    declared = cfg.layout.world_size
-    if declared and world_size and declared != world_size:
-        raise ConfigError(f"layout.world_size = {declared} but the launcher started {world_size} ranks")
-    world = world_size or declared
-    if world:
-        check_placement(resolve_placement(cfg, world), cfg)
-
-
-def _validate_tasks(cfg: JobConfig) -> None:
-    from loom.data.tasks import TASKS
-
-    m, d = cfg.model, cfg.data
-    if cfg.train.global_batch_size > d.train_size:
-        raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds data.train_size = "
-                          f"{d.train_size}")
-    for task in d.tasks:
-        if task not in TASKS:
-            raise ConfigError(f"data.tasks contains {task!r}; allowed: {list(TASKS)}")
-    needs = {"digits": "vision", "shapes": "vision", "tones": "audio"}
-    for task in d.tasks:
-        if needs[task] not in m.encoders:
-            raise ConfigError(
-                f"data.tasks contains {task!r}, which needs the {needs[task]} encoder, but model.encoders = "
-                f"{m.encoders}; add {needs[task]!r} to model.encoders or remove {task!r}"
-            )
-    if not d.tasks:
-        raise ConfigError("data.tasks is empty; choose from " + str(list(TASKS)))
-    if m.tokenizer:
-        raise ConfigError(f"model.tokenizer = {m.tokenizer!r} is the tokenizer of a user's data ([[data.sources]]); "
-                          f"the built-in tasks (data.tasks) use loom's byte tokenizer")
-
-
-def _validate_sources(cfg: JobConfig) -> None:
-    """A user's JSONL data: the files exist and have weights, a tokenizer is named (its contents are read by
-    train/job_data.py, before the model's weights)."""
-    m, d = cfg.model, cfg.data
-    if not m.tokenizer:
-        raise ConfigError("data.sources needs model.tokenizer: a Hugging Face tokenizer folder (tokenizer.json and a "
-                          "chat template), usually the LLM's own folder")
-    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(d.sources)}
-    for key, path in {**paths, **({"data.heldout": d.heldout} if d.heldout else {})}.items():
-        if not path or not Path(path).exists():
-            raise ConfigError(f"{key} = {path!r}: no such file (a JSONL of conversations, a parquet file, or a "
-                              f"folder of parquet / arrow files)")
-        if is_table(path) and importlib.util.find_spec("pyarrow") is None:
-            raise ConfigError(f"{key} = {path!r} is a table, read with pyarrow, which is not installed: "
-                              f"pip install 'loom[tables]'")
-    for i, source in enumerate(d.sources):
-        if not source.weight > 0:
-            raise ConfigError(f"data.sources[{i}].weight = {source.weight} must be > 0")
-    if d.image_min_pixels < 0 or d.image_max_pixels < 0 or (
-            d.image_max_pixels and d.image_min_pixels > d.image_max_pixels):
-        raise ConfigError(f"data.image_min_pixels = {d.image_min_pixels}, data.image_max_pixels = "
-                          f"{d.image_max_pixels}: need 0 ≤ min ≤ max (0: the default bound)")
-    if d.format == "bshd" and not d.padded_length:
-        raise ConfigError("data.format = 'bshd' with data.sources needs data.padded_length (the tokens of every row): "
-                          "a user's longest sample is not known before it is drawn")
-
-
-# sizes that must be ≥ 1 in every model config that has them (head_dim 0 means "derived")
-_SIZE_FIELDS = {
-    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-    "channels", "patch_size", "position_grid", "num_features", "max_positions",
-}
-
-
-def _validate_language(lm: LLMConfig, tokenizer_vocab: int) -> None:
-    if lm.num_heads % lm.num_kv_heads:
-        raise ConfigError(
-            f"model.language.num_heads = {lm.num_heads} is not divisible by num_kv_heads = {lm.num_kv_heads} "
-            f"(grouped-query attention shares each KV head among an equal number of query heads)"
-        )
-    if not lm.head_dim and lm.hidden_size % lm.num_heads:
-        raise ConfigError(
-            f"model.language.hidden_size = {lm.hidden_size} is not divisible by num_heads = {lm.num_heads}; "
-            f"set model.language.head_dim explicitly"
-        )
-    if lm.dim_per_head % 2:
-        raise ConfigError(f"model.language head dim = {lm.dim_per_head} must be even for rotary embedding")
-    if lm.vocab_size < tokenizer_vocab:
-        raise ConfigError(
-            f"model.language.vocab_size = {lm.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids"
-        )
-
-
-def _positive(values: dict[str, float]) -> None:
-    for key, v in values.items():
-        if v <= 0:
-            raise ConfigError(f"{key} = {v} must be > 0")
-
-
-def _non_negative(values: dict[str, float]) -> None:
-    for key, v in values.items():
-        if v < 0:
-            raise ConfigError(f"{key} = {v} must be ≥ 0")

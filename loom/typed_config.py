@@ -19,6 +19,19 @@ def choice(default, *allowed):
     return field(default=default, metadata={"choices": allowed})
 
 
+def check_positive(values: dict[str, float]) -> None:
+    """{dotted key: value}: the first value ≤ 0 is reported with its key."""
+    for key, v in values.items():
+        if v <= 0:
+            raise ConfigError(f"{key} = {v} must be > 0")
+
+
+def check_non_negative(values: dict[str, float]) -> None:
+    for key, v in values.items():
+        if v < 0:
+            raise ConfigError(f"{key} = {v} must be ≥ 0")
+
+
 def parse_override(item: str) -> tuple[str, object]:
     """'--train.steps=50' → ('train.steps', 50); the value is read as a TOML literal, else kept as text."""
     body = item[2:] if item.startswith("--") else item

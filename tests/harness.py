@@ -103,7 +103,8 @@ class World:
         if dead:
             lines.append(f"--- ranks {dead} died without reporting")
         if missing:
-            lines.append(f"--- ranks {missing} did not finish within {timeout:.0f} s (hung or waiting on a failed rank)")
+            lines.append(f"--- ranks {missing} did not finish within {timeout:.0f} s "
+                         f"(hung or waiting on a failed rank)")
         return "\n".join(lines)
 
     def kill(self) -> None:

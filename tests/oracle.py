@@ -7,7 +7,7 @@ import io
 import torch.distributed as dist
 from rich.console import Console
 
-from loom.config import load_config
+from loom.job import load_config
 
 # the default vision + audio + text model and task mix: images of different sizes, clips of different
 # lengths in every batch

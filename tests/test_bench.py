@@ -14,7 +14,7 @@ import torch.nn as nn
 from bench.flops import attention_flops, matmul_params, step_flops
 from bench.mm_bench import flops_of
 from bench.workload import SMALL, PackedSteps
-from loom.config import load_config
+from loom.job import load_config
 from loom.data.sample import Sample
 
 
@@ -24,7 +24,7 @@ def test_cp_long_small_runs_on_two_cpu_ranks():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("{"))
+    line = next(text for text in out.stdout.splitlines() if text.startswith("{"))
     result = json.loads(line)
     assert result["cp"] == 2 and result["dp"] == 1 and result["tokens_per_s_per_gpu"] > 0
     assert result["loss"] > 0
@@ -86,7 +86,8 @@ def test_workload_samples_are_prompt_plus_text_and_fit_the_sequence():
 
 def test_multimodal_table_small_runs_every_contender(tmp_path):
     """bench/run_mm.sh on 2 CPU ranks, --small: every row of the GPU table runs, and bench.table reads them."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "EXTRA": "--small", "SEQ": "256", "STEPS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "EXTRA": "--small", "SEQ": "256",
+           "STEPS": "1",
            "COMPILED": "",  # compile's own CPU tests are elsewhere; here only that every row still runs
            "WARMUP": "1"}
     out = tmp_path / "mm.jsonl"
@@ -144,12 +145,13 @@ def test_noncolocated_rows_small_run_on_two_cpu_ranks():
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bench/mm_bench.py",
             "--small", "--seq", "256", "--per-gpu", "6", "--steps", "1", "--warmup", "1",
             "--set", "train.microbatches=2"]
-    placed = ["--set", "layout.vision.ranks=0-0", "--set", "layout.audio.ranks=0-0", "--set", "layout.language.ranks=1-1"]
+    placed = ["--set", "layout.vision.ranks=0-0", "--set", "layout.audio.ranks=0-0",
+              "--set", "layout.language.ranks=1-1"]
     rows = []
     for cmd in (base, base + placed):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
-        rows.append(json.loads(next(l for l in out.stdout.splitlines() if l.startswith("{"))))
+        rows.append(json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{"))))
     assert [r["placement"] for r in rows] == ["colocated", "non-colocated"]
     assert rows[1]["layouts"]["language"].endswith("on ranks 1-1")
     assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-4 * rows[0]["loss"]
@@ -190,6 +192,6 @@ def test_startup_bench_small_runs_on_two_cpu_ranks():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    row = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("{")))
+    row = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
     assert row["start_up"] == "meta, then shards" and len(row["per_rank"]) == 2
     assert row["max_host_peak_rss_gib"] > 0 and row["params_b"] > 0

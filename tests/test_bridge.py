@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from loom.bridge.colocated import ColocatedBridge, ReplicaRows
-from loom.config import load_config
+from loom.job import load_config
 from loom.topology import Topology
 
 B = 8  # global batch: 8 samples
@@ -34,9 +34,9 @@ def _bridge(overrides: list[str]) -> dict:
     bridge = ColocatedBridge(vision, lang, debug_checks=True)
     me = dist.get_rank()
     e, de = vision.coord(me)["dp"], vision.layout.dp
-    l, dl = lang.coord(me)["dp"], lang.layout.dp
+    d, dl = lang.coord(me)["dp"], lang.layout.dp
     enc_samples = range(e * B // de, (e + 1) * B // de)
-    llm_samples = range(l * B // dl, (l + 1) * B // dl)
+    llm_samples = range(d * B // dl, (d + 1) * B // dl)
     x = rows_of(enc_samples).requires_grad_(True)
     share = lambda r, n: sum(ROWS[r * B // n : (r + 1) * B // n])  # noqa: E731 - rows of replica r of n
     out = bridge(x, ReplicaRows([share(r, de) for r in range(de)], [share(r, dl) for r in range(dl)]))

@@ -14,7 +14,8 @@ from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
 from oracle import run_verify
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError
+from loom.job import load_config
 from loom.data.batch import IGNORE_INDEX
 from loom.data.packing import pack_samples
 from loom.data.tokenizer import ByteTokenizer

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import loom.cli
-from loom.config import ConfigError, JobConfig, load_config, parse_override
+from loom.config import ConfigError, JobConfig, parse_override
+from loom.job import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,8 @@ def test_defaults_load_and_validate():
 
 def test_overrides_are_toml_literals():
     cfg = load_config(None, ['--data.tasks=["digits"]', "--train.lr=1e-3", "--train.steps=7", "--run.tensorboard=false",
-                             "--run.out_dir=/tmp/some where", "--model.language.rope_scaling={rope_type='linear', factor=2.0}"])
+                             "--run.out_dir=/tmp/some where",
+                             "--model.language.rope_scaling={rope_type='linear', factor=2.0}"])
     assert cfg.data.tasks == ["digits"]
     assert cfg.train.lr == 1e-3 and isinstance(cfg.train.lr, float)
     assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)

@@ -42,7 +42,8 @@ def test_a_conversation_becomes_a_sample_sized_by_its_encoders(tmp_path):
     with pytest.raises(BadSample, match=r"d\.jsonl:2: no assistant turn"):
         data[1]
     (tmp_path / "t.jsonl").write_text(json.dumps({"task": "cats", **line}))
-    assert conversation_sample(ConversationFile(tmp_path / "t.jsonl")[0], chat, rules, counters, task="t").task == "cats"
+    conversation = ConversationFile(tmp_path / "t.jsonl")[0]
+    assert conversation_sample(conversation, chat, rules, counters, task="t").task == "cats"
 
     with pytest.raises(BadSample, match=r"d\.jsonl:1: has audio items but the model has no audio encoder"):
         conversation_sample(data[0], chat, rules, {"vision": vision.num_tokens})

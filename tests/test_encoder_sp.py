@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from conftest import tiny_job_overrides
 
-from loom.config import load_config
+from loom.job import load_config
 
 
 def _rows_seen(overrides: list[str], out: str) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loom.config import load_config
+from loom.job import load_config
 from loom.data.tokenizer import ByteTokenizer
 
 CP2_ON_4 = ["--layout.language.cp=2", "--data.pad_to_multiple=4", "--train.global_batch_size=8"]

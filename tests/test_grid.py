@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loom.config import load_config
+from loom.job import load_config
 from loom.topology import DIMS, GROUP_DIMS, Topology
 from loom.topology.groups import MissingGroupError
 

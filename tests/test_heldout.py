@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_job_overrides
 
-from loom.config import load_config
+from loom.job import load_config
 
 NONCOLOCATED = ["--layout.vision.ranks=0-1", "--layout.audio.ranks=0-1", "--layout.language.ranks=2-3",
                 "--train.microbatches=2", "--data.tokens_per_microbatch=512"]

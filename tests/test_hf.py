@@ -29,7 +29,7 @@ from transformers import (  # noqa: E402
 from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa: E402
 
 import loom.cli  # noqa: E402
-from loom.config import load_config  # noqa: E402
+from loom.job import load_config  # noqa: E402
 from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import HFWeights, build_pretrained, config_from_folder, export_module, load_module  # noqa: E402
 from loom.models.layers import rope_inv_freq  # noqa: E402
@@ -435,7 +435,8 @@ def test_a_qwen3_trained_under_tp4_over_2_kv_heads_exports_its_weights(hf, world
     qwen3, folder = hf("qwen3")
     trained = worlds.run(4, _train_and_save_under_tp4, str(folder), str(tmp_path / "run"), timeout=300)
     assert all(all(torch.equal(r[k], v) for k, v in trained[0].items()) for r in trained[1:])  # one model
-    assert not torch.equal(trained[0]["layers.0.self_attn.k_norm.weight"], qwen3.model.layers[0].self_attn.k_norm.weight)
+    assert not torch.equal(trained[0]["layers.0.self_attn.k_norm.weight"],
+                           qwen3.model.layers[0].self_attn.k_norm.weight)
     assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
     back = build_pretrained(tmp_path / "hf" / "language").state_dict()  # loom → HF → loom is exact
     assert back.keys() == trained[0].keys() and all(torch.equal(back[k], v) for k, v in trained[0].items())

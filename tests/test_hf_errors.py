@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError
+from loom.job import load_config
 from loom.models.audio import AudioConfig, AudioEncoder
 from loom.models.hf import HFError, build_pretrained, config_from_folder, export_module, load_module
 from loom.models.llm import DecoderLM, LLMConfig
@@ -115,7 +116,8 @@ def test_unsupported_architecture_is_refused(exported, tmp_path):
         ("siglip", {"hidden_act": "quick_gelu"}, r"hidden_act = 'quick_gelu'"),
         ("whisper", {"activation_function": "relu"}, r"activation_function = 'relu'"),
     ],
-    ids=["use_sliding_window", "layer_types", "llama_attention_bias", "hidden_act", "yarn", "siglip_act", "whisper_act"],
+    ids=["use_sliding_window", "layer_types", "llama_attention_bias", "hidden_act", "yarn", "siglip_act",
+         "whisper_act"],
 )
 def test_unsupported_config_is_refused(exported, tmp_path, family, changes, message):
     folder = _copy(exported(family), tmp_path / "m")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
 
-from loom.config import load_config
+from loom.job import load_config
 from loom.data.batch import IGNORE_INDEX, supervised_count
 from loom.train.inputs import balanced_runs, collate, plan_inputs, split_encoder
 
@@ -24,8 +24,8 @@ def batch16(tiny_model, tok):
 
 def _plans(samples, cfg, tok, model, shares_of):
     counters = {n: model.encoder(n).num_tokens for n in model.encoder_names}
-    return [plan_inputs(samples, list(range(100, 100 + len(samples))), cfg, tok, counters, shares, 1, torch.device("cpu"))
-            for shares in shares_of]
+    ids = list(range(100, 100 + len(samples)))
+    return [plan_inputs(samples, ids, cfg, tok, counters, shares, 1, torch.device("cpu")) for shares in shares_of]
 
 
 def _key(tokens: torch.Tensor) -> tuple[int, ...]:
@@ -65,7 +65,8 @@ def test_fan_in_parts_are_contiguous_and_row_balanced():
 
 def test_bridge_row_counts_agree_on_both_sides(batch16, tiny_model, tok):
     cfg = _cfg("--train.microbatches=2", "--data.tokens_per_microbatch=256", "--train.global_batch_size=16")
-    shares = [{"language": (r, 2), "vision": (e, 4), "audio": (r // 2, 1)} for r in range(2) for e in (2 * r, 2 * r + 1)]
+    shares = [{"language": (r, 2), "vision": (e, 4), "audio": (r // 2, 1)}
+              for r in range(2) for e in (2 * r, 2 * r + 1)]
     plans = _plans(batch16, cfg, tok, tiny_model, shares)
     for k in range(2):
         for name, dp in (("vision", 4), ("audio", 1)):
@@ -91,7 +92,8 @@ def test_too_long_samples_are_skipped_when_asked(batch16, tok):
     assert [len(s) for s in kept] == [len(s) for s in batch16 if -(-len(s) // 4) * 4 <= 16]
     assert skipped == 16 - len(kept) > 0 and indices == [i for i, s in enumerate(batch16) if s in kept]
     first = next(i for i, s in enumerate(batch16) if -(-len(s) // 4) * 4 > 16)
-    with pytest.raises(ValueError, match=rf"sample {first} of the dataset: \d+ tokens .* data.tokens_per_microbatch = 16"):
+    with pytest.raises(ValueError,
+                       match=rf"sample {first} of the dataset: \d+ tokens .* data.tokens_per_microbatch = 16"):
         fitting(batch16, list(range(16)), _cfg("--data.tokens_per_microbatch=16"), 4)  # "error": the first named
 
 
@@ -118,7 +120,7 @@ def test_a_budget_below_the_longest_sample_fails_before_training(tmp_path):
 
     args = ["train", "configs/tiny.toml", *tiny_job_overrides(tmp_path), "--data.tokens_per_microbatch=32"]
     with pytest.raises(Exception, match=r"task 'shapes' samples reach \d+ tokens.*data.too_long"):
-        from loom.config import load_config
+        from loom.job import load_config
         from loom.train.trainer import Trainer
 
         Trainer(load_config(args[1], args[2:]))
@@ -135,7 +137,8 @@ def _padded_job(*extra: str):
     from loom.train.inputs import with_padded_length
     from loom.train.job_data import build_job_data
 
-    cfg, tok = _cfg("--data.format=bshd", "--train.global_batch_size=8", "--train.microbatches=2", *extra), ByteTokenizer()
+    cfg = _cfg("--data.format=bshd", "--train.global_batch_size=8", "--train.microbatches=2", *extra)
+    tok = ByteTokenizer()
     counters = token_counters(build_job_model(cfg, tok))
     data = build_job_data(cfg, tok, counters)
     cfg = with_padded_length(cfg, data.longest, 4)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError
+from loom.job import load_config
 from loom.topology import Topology
 from loom.topology.layout import parse_ranks
 

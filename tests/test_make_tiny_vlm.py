@@ -106,7 +106,8 @@ def test_every_conversation_tokenises_with_targets_exactly_on_the_answer(out):
             s = conversation_sample(conv, chat, rules, counters)
             said = chat.tokenizer.decode([t for t, y in zip(s.tokens, s.supervised) if y], skip_special_tokens=False)
             answer = lines[i]["messages"][1]["content"][0]["text"]
-            assert said == answer + "<|im_end|>", conv.where  # the end-of-turn token is the model's to say; the newline after it is not
+            # the end-of-turn token is the model's to say; the newline after it is not
+            assert said == answer + "<|im_end|>", conv.where
             for image, path in zip(s.images, conv.media("image")):
                 with Image.open(path) as png:
                     assert png.mode == "RGB" and (png.height % p, png.width % p) == (0, 0)

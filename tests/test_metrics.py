@@ -10,7 +10,7 @@ import types
 import pytest
 
 import loom.cli
-from loom.config import load_config
+from loom.job import load_config
 from loom.typed_config import ConfigError
 
 TINY = ["--train.steps=2", "--data.heldout_size=6", "--run.tensorboard=false", "--train.eval_max_new_tokens=2",

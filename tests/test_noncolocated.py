@@ -43,7 +43,7 @@ def _train_and_save(out_dir: str) -> dict:
     import torch.distributed as dist
     from conftest import saved_tensors
 
-    from loom.config import load_config
+    from loom.job import load_config
     from torch.distributed.tensor import DTensor
 
     from loom.train.trainer import Trainer
@@ -85,7 +85,7 @@ def _p2p_log(overrides: list[str]) -> list[tuple]:
     (direction, group, peer, tag, rows) in the order they were posted."""
     import torch.distributed as dist
 
-    from loom.config import load_config
+    from loom.job import load_config
     from loom.train.trainer import Trainer
 
     cfg = load_config(None, ["--train.global_batch_size=8", "--data.train_size=200"] + overrides,

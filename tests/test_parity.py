@@ -90,7 +90,8 @@ LAYOUTS = {
     "mb2-bins-fan-out": (4, mb(2, 512) + ["--layout.vision.tp=4"]),
     "mb2-bins-cp2": (2, mb(2, 512) + ["--layout.language.cp=2"]),  # the sample multiple 4 is derived
     "mb4-bins-fan-in-ac-full": (4, mb(4, 256) + FAN_IN + ["--train.activation_checkpointing=full"]),
-    "mb2-bins-cp2-ac-selective": (2, mb(2, 512) + ["--layout.language.cp=2", "--train.activation_checkpointing=selective"]),
+    "mb2-bins-cp2-ac-selective": (2, mb(2, 512) + ["--layout.language.cp=2",
+                                                   "--train.activation_checkpointing=selective"]),
     "mb4-bins-skip-too-long": (2, mb(4, 48) + ["--train.global_batch_size=8", "--data.too_long=skip"]),
     # padded microbatches of fixed [R, S] (every bshd case: S = the longest sample unless set): here with
     # samples over S = 40 skipped, so some microbatches hold a filler row; and fan-in on 2 ranks

@@ -57,7 +57,7 @@ def _reductions_in_one_step(grad_reduce: str) -> dict[str, int]:
     import torch.distributed as dist
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
 
-    from loom.config import load_config
+    from loom.job import load_config
     from loom.train.trainer import Trainer
 
     cfg = load_config(None, ["--train.global_batch_size=8", "--data.train_size=200"] + pp(2, 4, tokens=256)
@@ -101,7 +101,7 @@ def _train_and_save(out_dir: str) -> dict:
     from conftest import saved_tensors
     from safetensors.torch import load_file
 
-    from loom.config import load_config
+    from loom.job import load_config
     from loom.data.tokenizer import ByteTokenizer
     from loom.models.hf.export import export_checkpoint
     from loom.train.build import build_job_model
@@ -152,7 +152,7 @@ def _tied_copies_after_steps(steps: int) -> dict:
     """zbv on 2 ranks: rank 0 holds stage 0 and the last stage, so both copies of the tied embedding."""
     import torch.distributed as dist
 
-    from loom.config import load_config
+    from loom.job import load_config
     from loom.train.trainer import Trainer
     from loom.train.verify import parameters
 

@@ -15,7 +15,8 @@ from conftest import TINY_MODEL_OVERRIDES, tiny_llm_config
 
 from loom.bridge.colocated import ReplicaRows
 from loom.bridge.routes import step_chunks
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError
+from loom.job import load_config
 from loom.data.batch import IGNORE_INDEX, Batch
 from loom.data.spans import TokenSpans
 from loom.models.llm import DecoderLM, LLMConfig

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from conftest import tiny_job_overrides
 
-from loom.config import load_config
+from loom.job import load_config
 from loom.parallel.compile import row_budgets
 
 # B = 5 samples in 2 microbatches of 256 tokens: bins of 1–3 samples, 0–3 images and 0–2 clips each
@@ -59,7 +59,7 @@ def cheap_backend_and_recompile_log():
 def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict:
     """`steps` compiled training steps of the tiny model; what compiled after the first, and what the
     microbatches held (real samples per LLM microbatch, items per encoder call)."""
-    from loom.config import load_config
+    from loom.job import load_config
     from loom.data.batch import IGNORE_INDEX
     from loom.parallel.compile import compiled_frames
     from loom.train.step_data import step_inputs
@@ -76,7 +76,8 @@ def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict
             for m in inputs.microbatches:
                 lay = m.llm.spans  # packed: segments (the filler one too); padded: rows with labels (samples)
                 lengths = lay.cu_seqlens.diff() if lay.pad_mask is None else (m.llm.labels != IGNORE_INDEX).sum(1)
-                shapes.append((sum(1 for n in lengths.tolist() if n), *(len(items) for items in m.encoder_items.values())))
+                shapes.append((sum(1 for n in lengths.tolist() if n),
+                               *(len(items) for items in m.encoder_items.values())))
                 llm_shapes.add(tuple(m.llm.input_ids.shape))
             loss = trainer.train_step().loss
             if step == 0:

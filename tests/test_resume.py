@@ -17,7 +17,7 @@ from conftest import tiny_job_overrides
 
 from loom.checkpoint.folders import latest_checkpoint
 from loom.checkpoint.sharded import CheckpointError, load_sharded
-from loom.config import load_config
+from loom.job import load_config
 from loom.train.trainer import Trainer
 
 # colocated and heterogeneous: vision tp2 (dp2), audio dp4, the LLM cp2 (dp2)
@@ -124,7 +124,7 @@ def test_reshard_pipeline_and_noncolocated_to_one_process_and_back(worlds, tmp_p
 _KILLED_CHILD = """
 import sys, time
 import loom.checkpoint.sharded as sharded
-from loom.config import load_config
+from loom.job import load_config
 from loom.train.trainer import Trainer
 real_save = sharded.dcp.save
 def slow_save(state, storage_writer, **kw):

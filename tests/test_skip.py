@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from conftest import tiny_job_overrides
-from loom.config import load_config
+from loom.job import load_config
 from loom.train.optim import lr_factor
 
 BAD_RANK = 2

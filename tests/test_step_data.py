@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_job_overrides, user_data_overrides
 from test_user_data import _truncate
 
-from loom.config import load_config
+from loom.job import load_config
 from loom.train.inputs import StepInputs
 from loom.train.step_data import StepPrefetcher, plan_step
 

@@ -8,7 +8,8 @@ import json
 import pytest
 from conftest import tiny_job_overrides, user_data_overrides, write_user_data
 
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError
+from loom.job import load_config
 from loom.data.conversations import BadSample, ConversationFile
 
 pa = pytest.importorskip("pyarrow")
@@ -86,4 +87,5 @@ def test_a_job_on_a_parquet_source_trains_as_on_its_jsonl(sources, tmp_path):
 def test_a_missing_table_is_a_config_error(tmp_path):
     missing = tmp_path / "nothing.parquet"
     with pytest.raises(ConfigError, match=r"data\.sources\[0\]\.path = .*nothing\.parquet.*no such file"):
-        load_config(None, [*user_data_overrides(tmp_path)[:1], f'--data.sources=[{{path = "{missing}", weight = 1.0}}]'])
+        load_config(None, [*user_data_overrides(tmp_path)[:1],
+                           f'--data.sources=[{{path = "{missing}", weight = 1.0}}]'])

@@ -12,7 +12,8 @@ import torch
 
 import loom.cli
 from conftest import saved_tensors, tiny_job_overrides
-from loom.config import TrainConfig, load_config
+from loom.config import TrainConfig
+from loom.job import load_config
 from loom.data.batch import IGNORE_INDEX
 from loom.data.packing import pack_samples
 from loom.checkpoint.sharded import load_sharded
@@ -375,8 +376,8 @@ def test_bf16_step(tmp_path):
 
 def test_cli_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    code = loom.cli.main(["train", "configs/tiny.toml", "--train.steps=3", "--data.heldout_size=6", f"--run.out_dir={out}",
-                          "--run.tensorboard=false", "--train.eval_max_new_tokens=4"])
+    code = loom.cli.main(["train", "configs/tiny.toml", "--train.steps=3", "--data.heldout_size=6",
+                          f"--run.out_dir={out}", "--run.tensorboard=false", "--train.eval_max_new_tokens=4"])
     assert code == 0
     assert (out / "latest").read_text().strip() == "step-3" and not (out / "final").exists()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

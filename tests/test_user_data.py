@@ -14,7 +14,8 @@ import torch
 from conftest import tiny_job_overrides, user_data_overrides, write_user_data
 from oracle import assert_all_passed, run_verify
 
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError
+from loom.job import load_config
 from loom.data.conversations import BadSample
 
 

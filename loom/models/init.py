@@ -59,7 +59,8 @@ def give_storage(module: nn.Module, device: torch.device | str) -> None:
         if id(p) in first:
             ties.append((n, first[id(p)]))
         first.setdefault(id(p), n)
-    module.to_empty(device=device)  # a plain parameter gets a new object per alias: re-tie (DTensors are swapped in place)
+    # a plain parameter gets a new object per alias: re-tie (DTensors are swapped in place)
+    module.to_empty(device=device)
     for alias, name in ties:
         owner, _, attr = alias.rpartition(".")
         if module.get_parameter(alias) is not module.get_parameter(name):

@@ -84,7 +84,8 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
             input_layouts=(Replicate(), None, None), desired_input_layouts=(act, None, None), use_local_output=True
         )
     parallelize_module(llm, mesh, plan)
-    if llm.cfg.tie_embeddings and first_stage and last_stage:  # distributing replaced both parameters; tie them again (same Shard(0) layout)
+    # distributing replaced both parameters; tie them again (same Shard(0) layout)
+    if llm.cfg.tie_embeddings and first_stage and last_stage:
         llm.lm_head.weight = llm.embed_tokens.weight
 
 

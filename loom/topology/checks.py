@@ -1,4 +1,4 @@
-"""Model-dependent layout checks: every degree must split the module it is applied to.
+"""Layout checks: the world size agrees with the launcher's, every degree splits the module it is applied to.
 
 Run on every rank before any group or model is built, so a bad config fails everywhere at once
 instead of deadlocking the ranks that passed.
@@ -10,7 +10,18 @@ import math
 
 from loom.config import ConfigError, JobConfig
 from loom.models.encoder_layer import ROW_MULTIPLE
-from loom.topology.layout import Layout, Placement
+from loom.topology.layout import Layout, Placement, resolve_placement
+
+
+def check_layout(cfg: JobConfig, world_size: int | None = None) -> None:
+    """layout.world_size against the launcher's; then, when the world is known (from either), every module's
+    placement on it."""
+    declared = cfg.layout.world_size
+    if declared and world_size and declared != world_size:
+        raise ConfigError(f"layout.world_size = {declared} but the launcher started {world_size} ranks")
+    world = world_size or declared
+    if world:
+        check_placement(resolve_placement(cfg, world), cfg)
 
 
 def check_placement(placement: Placement, cfg: JobConfig) -> None:
@@ -98,11 +109,11 @@ def _check_pipeline(lay: Layout, cfg: JobConfig) -> None:
                           f"{micro_rule} (every stage busy in the steady state), got {m}; use "
                           f"train.microbatches = {max(lay.pp, -(-m // lay.pp) * lay.pp)}")
     if par.pp_grad_reduce == "microbatch" and schedule in ("zero_bubble", "zbv"):
-        raise ConfigError(f"parallel.pp_grad_reduce = 'microbatch' with parallel.pp_schedule = {schedule!r}: zero-bubble "
-                          f"schedules defer each microbatch's weight gradients past its input backward, after which "
-                          f"FSDP2 would reduce-scatter and reshard, so the weight pass would see parameters its graph "
-                          f"never used; use pp_grad_reduce = 'step', or pp_schedule = 'interleaved_1f1b' (or '1f1b') "
-                          f"with 'microbatch'")
+        raise ConfigError(f"parallel.pp_grad_reduce = 'microbatch' with parallel.pp_schedule = {schedule!r}: "
+                          f"zero-bubble schedules defer each microbatch's weight gradients past its input backward, "
+                          f"after which FSDP2 would reduce-scatter and reshard, so the weight pass would see "
+                          f"parameters its graph never used; use pp_grad_reduce = 'step', or pp_schedule = "
+                          f"'interleaved_1f1b' (or '1f1b') with 'microbatch'")
     split = par.pp_split
     if split and (len(split) != stages or sum(split) != lm.num_layers or min(split) < 1):
         raise ConfigError(f"parallel.pp_split = {split}: expected {stages} stage sizes (pp · pp_virtual_stages), "

@@ -68,7 +68,8 @@ def parse_ranks(text: str | int, world_size: int, key: str) -> range:
     if first < 0 or last < first:
         raise ConfigError(f"{key} = {text!r}: the range must be ascending and start at ≥ 0")
     if last >= world_size:
-        raise ConfigError(f"{key} = {text!r} reaches rank {last}, but the world has {world_size} ranks (0-{world_size - 1})")
+        raise ConfigError(f"{key} = {text!r} reaches rank {last}, but the world has {world_size} ranks "
+                          f"(0-{world_size - 1})")
     return range(first, last + 1)
 
 

@@ -45,7 +45,8 @@ def bridge_lines(topo: Topology) -> list[str]:
         for e in range(ed):
             ranks = [grid.rank_at(pp=0, dp=e, cp=0, tp=t) for t in range(grid.layout.tp)]
             fed = [e * ld.dp // ed] if ed >= ld.dp else list(range(e * ld.dp // ed, (e + 1) * ld.dp // ed))
-            where = "; ".join(f"LLM replica {d}{' stage 0' if ld.pp > 1 else ''} on ranks {first_stage(d)}" for d in fed)
+            stage = " stage 0" if ld.pp > 1 else ""
+            where = "; ".join(f"LLM replica {d}{stage} on ranks {first_stage(d)}" for d in fed)
             lines.append(f"{name} replica {e} (ranks {ranks}) → {where}")
     return lines
 

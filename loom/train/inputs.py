@@ -142,7 +142,8 @@ def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple:
     if cfg.data.too_long != "skip":  # the built-in tasks' longest was checked up front; a user's shows here
         for s, index in zip(samples, indices):
             if round_up(len(s), multiple) > budget:
-                raise BadSample(f"{s.where or f'sample {index} of the dataset'}: {len(s)} tokens (padded to a multiple of {multiple}: "
+                where = s.where or f"sample {index} of the dataset"
+                raise BadSample(f"{where}: {len(s)} tokens (padded to a multiple of {multiple}: "
                                 f"{round_up(len(s), multiple)}) exceed {key} = {budget}; raise it, or set "
                                 f"data.too_long = \"skip\" to drop such samples")
         return samples, indices, 0

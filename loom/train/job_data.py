@@ -110,7 +110,8 @@ def _loaded(samples: Sequence[Sample], on_bad: str, bad: BadSamples) -> list[Sam
     for i in range(len(samples)):
         try:
             s = samples[i]
-            out.append(dataclasses.replace(s, images=[decoded(x) for x in s.images], audio=[decoded(x) for x in s.audio]))
+            out.append(dataclasses.replace(s, images=[decoded(x) for x in s.images],
+                                           audio=[decoded(x) for x in s.audio]))
         except BadSample as e:
             if on_bad == "error":
                 raise

@@ -91,6 +91,5 @@ class ScheduleRunner:
             normaliser: int, how: RunContext, train: bool) -> float:
         parts = [how.context_share(model, mb.llm) for mb in microbatches]
         with how.loss_context(), how.autocast():
-            losses = self.pipeline.run(parts, rows, lambda logits, batch: objective.loss_sum(logits, batch) / normaliser,
-                                       train)
+            losses = self.pipeline.run(parts, rows, lambda logits, b: objective.loss_sum(logits, b) / normaliser, train)
         return float(losses)

@@ -148,7 +148,8 @@ def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor]
     for name, p in model.named_parameters():
         module, ref_name = name.split(".", 1)[0], twins.get(name, name)
         if (p.grad is None) != (ref_name not in ref_grads):
-            notes.append(f"{module}: {name} has a gradient on {'the reference' if p.grad is None else 'the layout'} only")
+            side = "the reference" if p.grad is None else "the layout"
+            notes.append(f"{module}: {name} has a gradient on {side} only")
             continue
         if p.grad is not None:
             out.setdefault(module, Agreement()).add(_full(p.grad), ref_grads[ref_name], twin=name in twins)

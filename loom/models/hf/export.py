@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 
 from loom.models.hf.load import MODULES, expected_tensors, module_kind
 from loom.models.hf.mapping import EXPORT_PREFIXES, HFError, config_to_hf, hf_name
+from loom.models.multimodal import ModelConfig
+from loom.typed_config import ConfigError, from_dict
 
 
 def export_module(module: nn.Module, out_dir: str | Path) -> Path:
@@ -53,11 +55,10 @@ def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path | list[str]]:
-    """Writes each module of a loom checkpoint folder (a sharded `step-N`; see loom/checkpoint) as `out_dir/<module>`, reading one tensor at a time. Returns the folders and the tensors
-    not exported."""
+    """Writes each module of a loom checkpoint folder (a sharded `step-N`; see loom/checkpoint) as
+    `out_dir/<module>`, reading one tensor at a time. Returns the folders and the tensors not exported."""
     from loom.checkpoint.read import CheckpointWeights
     from loom.checkpoint.sharded import CheckpointError
-    from loom.config import ConfigError, ModelConfig, from_dict
 
     ckpt = Path(checkpoint)
     try:

@@ -15,7 +15,6 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -25,10 +24,9 @@ from loom.models.audio import AudioEncoder
 from loom.models.hf.mapping import HFError, config_from_hf, detect_prefix, hf_name, kind_of, skip_reason
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM
+from loom.models.multimodal import ModelConfig
 from loom.models.vision import VisionEncoder
-
-if TYPE_CHECKING:
-    from loom.config import ModelConfig
+from loom.typed_config import ConfigError
 
 MODULES = {"language": DecoderLM, "vision": VisionEncoder, "audio": AudioEncoder}
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -220,7 +218,7 @@ def resolve_pretrained_configs(m: ModelConfig) -> ModelConfig:
     folder's config.json. Sizes written in the job config for such a module are replaced, not compared."""
     changes = {}
     for name in ("language", *m.encoders):
-        cfg = getattr(m, name, None)  # an unknown encoder name is validate()'s to report
+        cfg = getattr(m, name, None)  # an unknown encoder name is config.check_values()'s to report
         if getattr(cfg, "hf", ""):
             try:
                 new = config_from_folder(cfg.hf, expect=name)
@@ -230,3 +228,14 @@ def resolve_pretrained_configs(m: ModelConfig) -> ModelConfig:
                 new.init_std = cfg.init_std  # not an architecture field
             changes[name] = new
     return dataclasses.replace(m, **changes)
+
+
+def with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
+    """A job's [model] with each module whose `hf` folder is set sized by that folder's config.json; a folder
+    that cannot be read is a ConfigError, reported before any rank builds a model."""
+    if not any(getattr(getattr(m, name, None), "hf", "") for name in ("language", *m.encoders)):
+        return m
+    try:
+        return resolve_pretrained_configs(m)
+    except HFError as e:
+        raise ConfigError(str(e)) from None
