@@ -11,8 +11,9 @@ every receive is posted into its final place.
 Ordering: NCCL matches a pair's messages by the order they are launched (and a GPU may run its NCCL
 kernels in launch order), so both sides launch them in one order — the LLM stage 0's forward/backward order
 (train/encoder_ranks.py and train/rows.py `ReceivedRows`). Gloo matches by tag: each message's tag is unique
-per microbatch and bridge, and a test checks the launch orders agree, which gloo alone would not show. Rows go over the default
-group, gradients over a group of their own, so the two kinds never share a communicator's queue.
+per microbatch and bridge, and a test checks the launch orders agree, which gloo alone would not show. Rows go
+over the default group, gradients over a group of their own, so the two kinds never share a communicator's
+queue.
 """
 
 from __future__ import annotations
