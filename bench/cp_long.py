@@ -30,7 +30,7 @@ from loom.data.tokenizer import ByteTokenizer
 from loom.distributed import init_distributed, shutdown
 from loom.train.build import build_job_model, setup_parallel
 from loom.train.optim import ModuleOptimizers
-from loom.bridge.colocated import ReplicaRows
+from loom.bridge.replica_rows import ReplicaRows
 from loom.train.inputs import StepInputs
 
 # a ~0.4B-parameter Llama-shaped LLM; the encoders stay tiny (text-only samples: they run one dummy item)

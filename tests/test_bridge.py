@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.bridge.colocated import ColocatedBridge, ReplicaRows
+from loom.bridge.colocated import ColocatedBridge
+from loom.bridge.replica_rows import ReplicaRows
 from loom.job import load_config
 from loom.topology import Topology
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from conftest import TINY_MODEL_OVERRIDES, tiny_llm_config
 
-from loom.bridge.colocated import ReplicaRows
+from loom.bridge.replica_rows import ReplicaRows
 from loom.bridge.routes import step_chunks
 from loom.config import ConfigError
 from loom.job import load_config

@@ -82,7 +82,7 @@ def _fault(name: str):
 
         return _bridge_output(poison)
     if name == "cp sum dropped from the bridge backward":  # the encoders see one cp rank's gradient only
-        return _patched(bridge, "_sum_over_context", lambda grad, group: grad)
+        return _patched(bridge, "sum_over_context", lambda grad, group: grad)
     if name == "one rank counts its tokens twice":  # the layout's inputs only: the reference has its own
         def doubled(inputs):
             if me == FAULTY_RANK:

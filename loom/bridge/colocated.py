@@ -16,20 +16,11 @@ count from host data (train/inputs.py), so nothing is read back from the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from loom.bridge.replica_rows import ReplicaRows, sum_over_context
 from loom.topology.grid import Grid
-
-
-@dataclass(frozen=True)
-class ReplicaRows:
-    """One microbatch's modality rows of one encoder, per replica on each side of its bridge."""
-
-    encoder: list[int]  # rows held by each encoder replica (dp index order)
-    llm: list[int]  # rows needed by each LLM replica (dp index order)
 
 
 def exchange_rows(x: torch.Tensor, counts: list[int], me: int, send: bool, group: dist.ProcessGroup) -> torch.Tensor:
@@ -68,7 +59,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = _sum_over_context(grad, ctx.cp_group)
+        grad = sum_over_context(grad, ctx.cp_group)
         return grad[ctx.offset : ctx.offset + ctx.rows], None, None, None, None, None, None
 
 
@@ -83,19 +74,9 @@ class _NarrowRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = _sum_over_context(grad, ctx.cp_group)
+        grad = sum_over_context(grad, ctx.cp_group)
         full = exchange_rows(grad.contiguous(), ctx.counts, ctx.me, ctx.send, ctx.group)
         return full, None, None, None, None, None, None, None
-
-
-def _sum_over_context(grad: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Under LLM cp each rank inserted only the rows of its own tokens, so its gradient is zero elsewhere
-    (the adjoint of selecting rows is a zero-padded scatter): the full gradient is the sum over cp."""
-    if cp_group is None:
-        return grad
-    grad = grad.contiguous().clone()
-    dist.all_reduce(grad, group=cp_group)
-    return grad
 
 
 class _SumOverContext(torch.autograd.Function):
@@ -108,7 +89,7 @@ class _SumOverContext(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _sum_over_context(grad, ctx.cp_group), None
+        return sum_over_context(grad, ctx.cp_group), None
 
 
 class ColocatedBridge:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.bridge.colocated import ReplicaRows
+from loom.bridge.replica_rows import ReplicaRows, sum_over_context
 from loom.bridge.routes import consumers, producers, step_chunks
 from loom.topology.grid import Grid
 from loom.topology.layout import DIMS
@@ -62,9 +62,8 @@ class FirstStageBridge:
     def backward(self, grad: torch.Tensor | None, counts: list[ReplicaRows], like: torch.Tensor) -> torch.Tensor:
         """grad: the gradient of the rows `forward` returned (stage-0 ranks; None elsewhere); returns the
         gradient of this rank's encoder output `like`."""
-        if grad is not None and self.cp_group is not None:
-            grad = grad.contiguous().clone()
-            dist.all_reduce(grad, group=self.cp_group)
+        if grad is not None:
+            grad = sum_over_context(grad, self.cp_group)
         sends, recvs, me = {}, {}, dist.get_rank()
         for c in step_chunks(counts):
             sender = self.consumers[c.llm][0]

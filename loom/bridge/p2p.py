@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.bridge.colocated import ReplicaRows
+from loom.bridge.replica_rows import ReplicaRows, sum_over_context
 from loom.bridge.routes import Chunk, consumers, producers, step_chunks
 from loom.topology.grid import Grid
 
@@ -85,9 +85,7 @@ class P2PBridge:
 
     def send_grads(self, grad: torch.Tensor, counts: ReplicaRows, mb: int) -> list:
         """The gradient of the rows `receive_rows` delivered, summed over cp, to the encoder ranks that made them."""
-        if self.cp_group is not None:
-            grad = grad.contiguous().clone()
-            dist.all_reduce(grad, group=self.cp_group)
+        grad = sum_over_context(grad, self.cp_group)
         me, works = dist.get_rank(), []
         for c in self._chunks(counts):
             if c.llm == self.my_llm and self.consumers[c.llm][0] == me:

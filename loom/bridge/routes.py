@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.bridge.colocated import ReplicaRows
+from loom.bridge.replica_rows import ReplicaRows
 from loom.topology.grid import Grid
 
 

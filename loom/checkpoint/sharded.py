@@ -165,12 +165,6 @@ def begin_save(path: str | Path, model: nn.Module, optimizer, aliases: dict[str,
     return PendingSave(path, future, step, extra)
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str], step: int,
-                 extra: dict) -> Path:
-    """begin_save + finish: a complete checkpoint folder at `path` when it returns (collective)."""
-    return begin_save(path, model, optimizer, aliases, step, extra).finish()
-
-
 def load_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str]) -> dict:
     """Loads `path` into this rank's shards of the model (and optimizer, when given), whatever the layout it
     was saved under; returns state.json. Names, shapes and complete coverage are checked on every rank

@@ -13,9 +13,9 @@ from loom.topology.checks import check_placement
 from loom.topology.grid import Grid
 from loom.topology.groups import GROUP_DIMS, GroupRegistry
 from loom.topology.layout import DIMS, Layout, Placement, resolve_placement
-from loom.topology.role import Role, Stage, role_of
+from loom.topology.role import Role, StagePosition, role_of
 
-__all__ = ["DIMS", "GROUP_DIMS", "Grid", "GroupRegistry", "Layout", "Placement", "Role", "Stage", "Topology"]
+__all__ = ["DIMS", "GROUP_DIMS", "Grid", "GroupRegistry", "Layout", "Placement", "Role", "StagePosition", "Topology"]
 
 
 @dataclass

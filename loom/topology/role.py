@@ -11,7 +11,9 @@ from loom.topology.grid import Grid
 
 
 @dataclass(frozen=True)
-class Stage:
+class StagePosition:
+    """Where a rank sits in one module's pipeline: stage `index` of `count`."""
+
     index: int
     count: int
 
@@ -27,7 +29,7 @@ class Stage:
 @dataclass(frozen=True)
 class Role:
     rank: int
-    stages: dict[str, Stage]  # hosted module → its pipeline stage on this rank
+    stages: dict[str, StagePosition]  # hosted module → its pipeline stage on this rank
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -36,16 +38,15 @@ class Role:
     def hosts(self, module: str) -> bool:
         return module in self.stages
 
-    def stage(self, module: str) -> Stage:
+    def stage(self, module: str) -> StagePosition:
         if module not in self.stages:
             raise KeyError(f"rank {self.rank} does not host {module!r}; it hosts {list(self.stages)}")
         return self.stages[module]
 
 
 def role_of(rank: int, grids: dict[str, Grid]) -> Role:
-    stages = {
-        name: Stage(grid.coord(rank)["pp"], grid.layout.pp) for name, grid in grids.items() if grid.contains(rank)
-    }
+    stages = {name: StagePosition(grid.coord(rank)["pp"], grid.layout.pp)
+              for name, grid in grids.items() if grid.contains(rank)}
     if not stages:
         raise RuntimeError(f"rank {rank} belongs to no module's grid; the layouts must tile the world")
     return Role(rank, stages)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from loom.bridge.colocated import ReplicaRows
+from loom.bridge.replica_rows import ReplicaRows
 from loom.config import ConfigError, JobConfig
 from loom.data.batch import Batch, pad_samples, round_up, supervised_count
 from loom.data.bins import assign_bins, bin_stats
@@ -57,7 +57,7 @@ class StepInputs:
     stats: dict[str, float] = field(default_factory=dict)  # bin balance and fill (with a token budget)
     global_tokens: int = 0  # real LLM tokens of the whole global batch (every rank knows it)
     # dataset index → why: samples whose files failed to decode here (found only by the rank that decodes
-    # them; the step must not start until every rank knows them, train/build.py's step_inputs)
+    # them; the step must not start until every rank knows them, train/step_data.py's step_inputs)
     failed: dict[int, str] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)  # the dataset indices the microbatches hold
 
