@@ -38,6 +38,7 @@ class Job:
     optimizer: ModuleOptimizers
     batches: GlobalBatches[Sample]
     weight_aliases: dict[str, str]  # tied names → the name stored (taken before a pipeline split unties them)
+    weight_names: set[str]  # every weight of the whole model, a tied alias once: what a checkpoint holds
     n_params: int  # of the whole model (a rank may keep part)
     reference: MultimodalModel | None = None  # `loom verify`: the whole model on this process, fp32
 
@@ -64,11 +65,12 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
         cfg = with_padded_length(cfg, data.longest, layout_multiple(cfg))
         aliases = tied_aliases(model)
+        names = set(model.state_dict()) - set(aliases)
         n_params = sum(p.numel() for p in model.parameters())
         plan = setup_parallel(model, cfg, device, weights)
     finally:
         weights.close()
     check_longest(cfg, data.longest, plan.sample_multiple)  # on every rank alike, before the first step
     optimizer = ModuleOptimizers(model, list(plan.hosted), cfg.train)
-    return Job(cfg, device, tok, model, counters, data, plan, optimizer, build_batches(cfg, data), aliases, n_params,
-               whole)
+    return Job(cfg, device, tok, model, counters, data, plan, optimizer, build_batches(cfg, data), aliases, names,
+               n_params, whole)

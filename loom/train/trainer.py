@@ -37,7 +37,7 @@ class Trainer:
         self.device, self.tok, self.model, self.counters = job.device, job.tok, job.model, job.counters
         self.data = job.data
         self.plan, self.optimizer, self.batches = job.plan, job.optimizer, job.batches
-        self.weight_aliases, self.n_params = job.weight_aliases, job.n_params
+        self.weight_aliases, self.weight_names, self.n_params = job.weight_aliases, job.weight_names, job.n_params
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
         # rank 0 asks every rank over the health group which ones stopped answering (monitored barrier); the
         # background checkpoint writer's collectives run on a group of their own
