@@ -31,6 +31,7 @@ from loom.parallel.materialize import materialize
 from loom.parallel.tied import tied_copy_names
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
+from loom.train.resync import resync_from_reference
 from loom.train.inputs import StepInputs, collate, layout_multiple, with_padded_length
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
 from loom.train.step import StepComms, train_step
@@ -99,6 +100,8 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
     checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
     for step in range(steps):
+        if step > 0:  # each later step measures the layout alone, not the drift of the steps before it
+            resync_from_reference(model, optimizer, reference, ref_optimizer)
         mine = step_inputs(batches, step, plan, checked, tok, counters, device, data.bad)
         full = StepInputs.of(collate(global_batch(batches, step, cfg, plan.sample_multiple), cfg, tok).to(device))  # the whole global batch at once
         ref_before, ref_grads = parameters(reference), {}
