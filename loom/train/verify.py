@@ -26,6 +26,7 @@ from loom.train.inputs import StepInputs, collate
 from loom.train.objective import SFT, Objective
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.rank_plan import one_process_plan
+from loom.train.resync import resync_from_reference
 from loom.train.step_data import global_batch, step_inputs
 
 AGAINST = ("layout", "compile", "bf16")
@@ -82,6 +83,8 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
     checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
     for step in range(steps):
+        if step > 0:  # each later step measures the layout alone, not the drift of the steps before it
+            resync_from_reference(model, optimizer, reference, ref_optimizer)
         mine = step_inputs(batches, step, plan, cfg, job.tok, job.counters, job.device, job.data.bad)
         whole_batch = global_batch(batches, step, cfg, plan.sample_multiple)
         full = StepInputs.of(collate(whole_batch, eager_fp32, job.tok).to(job.device))
