@@ -150,7 +150,7 @@ class MicrobatchTable:
         return self.microbatches[int(mb)]  # a host tensor: no device sync
 
 
-class LLMStage(nn.Module):
+class StageModule(nn.Module):
     """Layers `layers` of a DecoderLM; stage 0 also embeds, the last stage also norms, projects and scores."""
 
     def __init__(self, llm: DecoderLM, layers: list[int], first: bool, last: bool, table: MicrobatchTable):
@@ -182,7 +182,7 @@ class PipelinedLM(nn.Module):
     """This rank's stages of the LLM (indices `indices` of `n_stages`), their parts registered under the
     DecoderLM's own names."""
 
-    def __init__(self, llm: DecoderLM, stages: list[LLMStage], indices: list[int], n_stages: int) -> None:
+    def __init__(self, llm: DecoderLM, stages: list[StageModule], indices: list[int], n_stages: int) -> None:
         super().__init__()
         self.cfg = llm.cfg
         self.indices, self.n_stages = indices, n_stages
@@ -214,7 +214,7 @@ def split_language(llm: DecoderLM, pp_rank: int, pp: int, virtual: int, schedule
         embed = llm.embed_tokens.weight
         llm.lm_head.weight = nn.Parameter(embed.detach().clone(), requires_grad=embed.requires_grad)
     table = MicrobatchTable()
-    stages = [LLMStage(llm, layers[s], s == 0, s == n_stages - 1, table) for s in indices]
+    stages = [StageModule(llm, layers[s], s == 0, s == n_stages - 1, table) for s in indices]
     return PipelinedLM(llm, stages, indices, n_stages)
 
 
