@@ -32,9 +32,13 @@ class Topology:
         return Topology(placement, {name: Grid(lay) for name, lay in placement.layouts.items()})
 
     @staticmethod
-    def build(cfg: JobConfig) -> Topology:
-        """Inside an initialised process group: every rank creates the groups of GROUP_DIMS, in the same order."""
-        topo = Topology.plan(cfg, dist.get_world_size())
+    def build(cfg: JobConfig, placement: Placement | None = None) -> Topology:
+        """Inside an initialised process group: every rank creates the groups of GROUP_DIMS, in the same order.
+        `placement`: the job's, resolved (and checked) once at start-up; else resolved here."""
+        if placement is None:
+            topo = Topology.plan(cfg, dist.get_world_size())
+        else:
+            topo = Topology(placement, {name: Grid(lay) for name, lay in placement.layouts.items()})
         topo.registry = GroupRegistry(timeout=timedelta(seconds=cfg.parallel.timeout_s))
         topo.registry.build(list(topo.grids.values()))
         return topo

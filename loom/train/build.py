@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from loom.config import JobConfig
 from loom.data.loader import GlobalBatches
@@ -14,7 +15,9 @@ from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.materialize import materialize
 from loom.checkpoint.sharded import tied_aliases
-from loom.train.inputs import check_longest, layout_multiple, with_padded_length
+from loom.topology.checks import sample_multiple
+from loom.topology.layout import resolve_placement
+from loom.train.inputs import check_longest, with_padded_length
 from loom.train.job_data import JobData, build_job_data, job_tokenizer, with_vocabulary
 from loom.train.job_model import (
     build_batches,
@@ -62,12 +65,15 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
         if reference:
             whole = build_job_model(cfg, tok)
             materialize(whole, device, weights)
+        # the placement and the LLM's sample multiple, resolved once here and passed down
+        placement = resolve_placement(cfg, dist.get_world_size()) if dist.is_initialized() else None
+        multiple = sample_multiple(placement.layouts["language"], cfg) if placement else cfg.data.pad_to_multiple
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
-        cfg = with_padded_length(cfg, data.longest, layout_multiple(cfg))
+        cfg = with_padded_length(cfg, data.longest, multiple)
         aliases = tied_aliases(model)
         names = set(model.state_dict()) - set(aliases)
         n_params = sum(p.numel() for p in model.parameters())
-        plan = setup_parallel(model, cfg, device, weights)
+        plan = setup_parallel(model, cfg, device, weights, placement)
     finally:
         weights.close()
     check_longest(cfg, data.longest, plan.sample_multiple)  # on every rank alike, before the first step

@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from loom.bridge.replica_rows import ReplicaRows
 from loom.config import ConfigError, JobConfig
@@ -29,8 +28,6 @@ from loom.data.conversations import BadSample
 from loom.data.sample import Sample, decoded
 from loom.data.tokenizer import Vocabulary
 from loom.data.spans import TokenSpans
-from loom.topology.checks import sample_multiple
-from loom.topology.layout import resolve_placement
 
 COMPILED_TOKEN_MULTIPLE = 64
 
@@ -122,14 +119,6 @@ def with_padded_length(cfg: JobConfig, longest: dict[str, int], multiple: int) -
             f"{(s // multiple + 1) * multiple}, or 0 for the longest sample")
     s = s or round_up(max(longest.values()), multiple)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, padded_length=s))
-
-
-def layout_multiple(cfg: JobConfig) -> int:
-    """The LLM's sample multiple under the launcher's layout: RankPlan.sample_multiple, before the plan exists
-    (compile sets the encoders' row budgets from S, so S is resolved first)."""
-    if not dist.is_initialized():
-        return cfg.data.pad_to_multiple
-    return sample_multiple(resolve_placement(cfg, dist.get_world_size()).layouts["language"], cfg)
 
 
 def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple: int

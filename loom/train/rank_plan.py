@@ -20,7 +20,7 @@ from loom.parallel.compile import compile_blocks
 from loom.parallel.materialize import InitialWeights, materialize
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
-from loom.topology import Topology
+from loom.topology import Placement, Topology
 from loom.topology.checks import sample_multiple
 from loom.train.encoder_ranks import EncoderRanks, stage0_order
 from loom.train.inputs import StepInputs
@@ -79,17 +79,18 @@ def one_process_plan(modules: list[str], multiple: int, dtype: str, device: torc
 
 
 def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
-                   weights: InitialWeights | None = None) -> RankPlan:
+                   weights: InitialWeights | None = None, placement: Placement | None = None) -> RankPlan:
     """Every run: compile and checkpoint the blocks as configured. Under torchrun also: build every group,
     apply each module's layout, and build the seams. Then the model (on `meta` until now) gets storage on
-    `device` for what this rank holds, filled from `weights` (default: the job's `initial_weights`)."""
+    `device` for what this rank holds, filled from `weights` (default: the job's `initial_weights`);
+    `placement`: the job's, resolved once by `build_job` (else here)."""
     modules = [*model.encoder_names, "language"]
     if cfg.train.compile:  # traced lazily at the first step, so the layout below is what it sees
         compile_blocks(model, modules, cfg)
     # after compile (the compiled forward runs inside the checkpoint); TP/FSDP hooks stay outside it
     checkpoint_blocks(model, modules, cfg.train.activation_checkpointing, cfg.train.compile)
     if dist.is_initialized():
-        plan = _rank_plan(model, cfg, device, modules)
+        plan = _rank_plan(model, cfg, device, modules, placement)
     else:
         plan = one_process_plan(modules, cfg.data.pad_to_multiple, cfg.train.dtype, device)
     own = weights is None
@@ -102,9 +103,10 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
     return plan
 
 
-def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, modules: list[str]) -> RankPlan:
+def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, modules: list[str],
+               placement: Placement | None) -> RankPlan:
     """The layouts applied to this rank's part of `model` (still on `meta`), and the step's seams chosen once."""
-    topo = Topology.build(cfg)
+    topo = Topology.build(cfg, placement)
     tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
     me = topo.role()
     for name in modules:  # non-colocated: a rank keeps only the modules it hosts
