@@ -2,8 +2,10 @@
 
 Under N ranks the run is the configured layout: every rank builds the model from the same seed and keeps an
 unsharded fp32 copy as the reference; the layout takes its dp share of global batch `s`, the reference all
-of it, both through the same `train_step`. On one process there is no layout, so the run is the same model
-compiled (`--against compile`) or in bf16 (`--against bf16`) — never the model against its own copy.
+of it, both through the same `train_step`; every step after the first starts the layout from the reference's
+weights and AdamW state (resync.py), so it measures that step alone. On one process there is no layout, so
+the run is the same model compiled (`--against compile`) or in bf16 (`--against bf16`) — never the model
+against its own copy.
 """
 
 from __future__ import annotations
