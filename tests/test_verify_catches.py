@@ -192,10 +192,10 @@ def test_one_process_against_compile_and_bf16_passes(capsys, against):
 
 
 def test_a_non_finite_reference_stops_verify(capsys, monkeypatch):
-    import loom.train.step as step
+    import loom.train.objective as objective
 
-    loss = step.loss_function
-    monkeypatch.setattr(step, "loss_function", lambda *a: lambda *b: loss(*a)(*b) * math.inf)
+    loss = objective.loss_function
+    monkeypatch.setattr(objective, "loss_function", lambda *a: lambda *b: loss(*a)(*b) * math.inf)
     assert loom.cli.main(["verify", "configs/tiny.toml", "--steps", "1", "--against", "bf16", *TINY]) == 1
     assert "reference's step 1 is not finite" in capsys.readouterr().err
 
