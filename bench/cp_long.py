@@ -102,12 +102,12 @@ def main() -> None:
 def replicate_over_dp() -> None:
     """Bench only: the LLM's FSDP2 mesh as before dp×cp flattening — (dp, cp), i.e. HSDP: sharded over cp,
     replicated over dp — so that memory can be compared on the same code otherwise."""
-    import loom.parallel
+    import loom.parallel.fsdp
 
     def hsdp_mesh(grid, device_type):
         return grid.mesh(*(("dp", "cp") if grid.layout.cp > 1 else ("dp",)), device_type=device_type)
 
-    loom.parallel.fsdp_mesh = hsdp_mesh
+    loom.parallel.fsdp.fsdp_mesh = hsdp_mesh
 
 
 def local_state_bytes(model: torch.nn.Module, optimizer: ModuleOptimizers) -> int:

@@ -17,19 +17,19 @@ def _local_rows(hsdp: bool) -> dict[str, tuple[int, int]]:
     """Every LLM parameter: (rows of the whole weight, rows of this rank's shard)."""
     import torch
 
-    import loom.parallel
+    import loom.parallel.fsdp
     from bench.cp_long import replicate_over_dp
     from loom.train.build import build_job_model, setup_parallel
 
     cfg = load_config(None, CP2_ON_4, world_size=dist.get_world_size())
-    original = loom.parallel.fsdp_mesh
+    original = loom.parallel.fsdp.fsdp_mesh
     try:
         if hsdp:
             replicate_over_dp()
         model = build_job_model(cfg, ByteTokenizer())
         setup_parallel(model, cfg, torch.device("cpu"))
     finally:
-        loom.parallel.fsdp_mesh = original
+        loom.parallel.fsdp.fsdp_mesh = original
     out = {}
     for name, p in model.language.named_parameters():
         assert isinstance(p, DTensor), name

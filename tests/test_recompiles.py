@@ -35,7 +35,7 @@ def cheap_backend_and_recompile_log():
     """aot_eager for the blocks and the loss, and dynamo's recompile reasons collected; undone afterwards
     (test worlds are reused)."""
     import loom.parallel.compile as compile_mod
-    import loom.train.build as build
+    import loom.train.rank_plan as build
     import loom.train.loss as loss
 
     saved = build.compile_blocks, loss.compiled_token_loss_sum

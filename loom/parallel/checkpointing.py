@@ -74,8 +74,8 @@ def checkpointed(forward, mode: str):
     return run
 
 
-def checkpoint_blocks(model: nn.Module, modules: list[str], mode: str, compiled: bool = False) -> None:
-    """Checkpoints every transformer block of `modules` in place. Call it after compile_blocks (the compiled
+def checkpoint_blocks(name: str, module: nn.Module, mode: str, compiled: bool = False) -> None:
+    """Checkpoints every transformer block of module `name` in place. Call it after compile_blocks (the compiled
     forward then runs inside the checkpoint) and before TP/FSDP, or after them: their hooks stay outside."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r}: choose one of {list(MODES)}")
@@ -89,8 +89,7 @@ def checkpoint_blocks(model: nn.Module, modules: list[str], mode: str, compiled:
         # one that saves other tensors, which checkpoint rejects (pytorch#166926; torchtitan does the same).
         # In insertion order the first variant whose guards pass is the forward's again.
         torch._C._dynamo.eval_frame._set_lru_cache(False)
-    for name in modules:
-        for block in transformer_blocks(name, model.get_submodule(name)):
-            if getattr(block.forward, "activation_checkpointing", None):
-                raise RuntimeError(f"{name}: a block is already checkpointed")
-            block.forward = checkpointed(block.forward, mode)
+    for block in transformer_blocks(name, module):
+        if getattr(block.forward, "activation_checkpointing", None):
+            raise RuntimeError(f"{name}: a block is already checkpointed")
+        block.forward = checkpointed(block.forward, mode)

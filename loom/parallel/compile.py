@@ -29,8 +29,8 @@ from loom.topology.layout import resolve_placement
 _CACHE_LIMIT = 64
 
 
-def compile_blocks(model: nn.Module, modules: list[str], cfg: JobConfig | None = None,
-                   backend: str = "inductor") -> None:
+def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None, backend: str = "inductor") -> None:
+    """Compiles every transformer block of module `name` in place; an encoder also gets its row budget."""
     # A compiled TP + SP block restored from AOTAutograd's on-disk cache (a second run of the same job)
     # gave wrong gradients on torch 2.13 while a fresh compile was exact (tests/test_compile_cache.py).
     # Off, every run traces its graphs again; inductor's kernel cache still spares the codegen.
@@ -39,11 +39,10 @@ def compile_blocks(model: nn.Module, modules: list[str], cfg: JobConfig | None =
     key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in 2.x
     setattr(config, key, max(getattr(config, key), _CACHE_LIMIT))
     budgets = row_budgets(cfg, dist.get_world_size() if dist.is_initialized() else 1) if cfg else {}
-    for name in modules:
-        if name in budgets:
-            model.get_submodule(name).encoder.row_budget = budgets[name]
-        for block in transformer_blocks(name, model.get_submodule(name)):
-            block.forward = torch.compile(block.forward, backend=backend)
+    if name in budgets:
+        module.encoder.row_budget = budgets[name]
+    for block in transformer_blocks(name, module):
+        block.forward = torch.compile(block.forward, backend=backend)
 
 
 def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:

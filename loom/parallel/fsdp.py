@@ -1,5 +1,5 @@
-"""FSDP2 over a module's dp group: each block (or run of `blocks_per_unit` blocks) is its own unit, all-gathered
-just in time, then the root.
+"""FSDP2 over a module's dp group (dp×cp flattened under cp: `fsdp_mesh`): each block (or run of
+`blocks_per_unit` blocks) is its own unit, all-gathered just in time, then the root.
 
 Gradients are *summed* over dp (divide factor 1): the loss is already divided by the global token count,
 so a mean over replicas would divide twice.
@@ -8,6 +8,7 @@ so a mean over replicas would divide twice.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,21 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+if TYPE_CHECKING:
+    from loom.topology import Grid
+
 # A row-wise TP projector hands FSDP a view of its local output; loom never writes into module outputs in
 # place, which is the only case the warning is about.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def fsdp_mesh(grid: Grid, device_type: str) -> DeviceMesh:
+    """What FSDP2 shards a module over: its dp ranks, or under cp its dp × cp ranks as one flattened dim, so
+    parameter and optimizer memory falls with dp too (a (dp, cp) mesh would be HSDP: replicated over dp);
+    gradients are summed over all of them, and the mesh shares the tp mesh's root."""
+    if grid.layout.cp > 1:
+        return grid.flat_mesh("dp", "cp", device_type=device_type)
+    return grid.mesh("dp", device_type=device_type)
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:

@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 # dims (in DIMS order) → the code that asks for their groups. New code that needs another dim set adds one line.
 GROUP_DIMS: dict[tuple[str, ...], str] = {
     ("pp",): "the grid's DeviceMesh (Grid.mesh); the pipeline schedule (train/rank_plan.py)",
-    ("dp",): "the grid's DeviceMesh; FSDP2 without cp (parallel/__init__.py)",
+    ("dp",): "the grid's DeviceMesh; FSDP2 without cp (`fsdp_mesh`, parallel/fsdp.py)",
     ("cp",): "the grid's DeviceMesh; CP attention and the bridges' sum over cp (train/rank_plan.py, bridge/)",
     ("tp",): "the grid's DeviceMesh (TP plans); colocated fan-out and its debug check (bridge/colocated.py)",
-    ("dp", "cp"): "FSDP2's shard group under cp, dp×cp flattened (Grid.flat_mesh, parallel/__init__.py)",
+    ("dp", "cp"): "FSDP2's shard group under cp, dp×cp flattened (Grid.flat_mesh, `fsdp_mesh` in parallel/fsdp.py)",
     ("cp", "tp"): "colocated fan-in: the ranks of one LLM replica (bridge/colocated.py)",
     ("pp", "dp", "cp", "tp"): "every rank of a grid: the first-stage bridge (bridge/first_stage.py)",
 }

@@ -15,7 +15,6 @@ from loom.bridge.p2p import P2PBridge
 from loom.config import JobConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel import parallelize
-from loom.parallel.checkpointing import checkpoint_blocks
 from loom.parallel.compile import compile_blocks
 from loom.parallel.materialize import InitialWeights, materialize
 from loom.parallel.pipeline import Pipeline
@@ -85,13 +84,10 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
     `device` for what this rank holds, filled from `weights` (default: the job's `initial_weights`);
     `placement`: the job's, resolved once by `build_job` (else here)."""
     modules = [*model.encoder_names, "language"]
-    if cfg.train.compile:  # traced lazily at the first step, so the layout below is what it sees
-        compile_blocks(model, modules, cfg)
-    # after compile (the compiled forward runs inside the checkpoint); TP/FSDP hooks stay outside it
-    checkpoint_blocks(model, modules, cfg.train.activation_checkpointing, cfg.train.compile)
     if dist.is_initialized():
         plan = _rank_plan(model, cfg, device, modules, placement)
     else:
+        parallelize(model, None, cfg, device.type, compile_blocks)  # no layout: compile and checkpoint only
         plan = one_process_plan(modules, cfg.data.pad_to_multiple, cfg.train.dtype, device)
     own = weights is None
     weights = initial_weights(model, cfg) if own else weights
@@ -112,7 +108,7 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
     for name in modules:  # non-colocated: a rank keeps only the modules it hosts
         if not me.hosts(name):
             delattr(model, name)
-    parallelize(model, topo, cfg, device.type)
+    parallelize(model, topo, cfg, device.type, compile_blocks)
     lang = topo.grids["language"]
     lay, hosts_llm = lang.layout, me.hosts("language")
     shares = {m: (topo.grids[m].coord(me.rank)["dp"] if me.hosts(m) else None, topo.grids[m].layout.dp)

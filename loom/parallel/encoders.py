@@ -1,0 +1,44 @@
+"""The encoders' parallelize recipe (vision, audio: a ModalityEncoder each): its blocks compiled and
+checkpointed on every run, then, under a layout, TP/SP and FSDP2, read from the encoder's own Grid.
+
+Why this order (as for the LLM, language.py): compile and activation checkpointing each replace a block's
+`forward` in place, compile first, so the compiled body runs inside the checkpoint; compile also fixes the
+encoder's rows per call (its `RowBudget`). The hooks TP and FSDP2 add then run around the checkpointed body,
+FSDP2's pre-backward hook re-gathering a block's weights before its recomputation; TP comes before FSDP2,
+which shards the DTensors TP made (both meshes share the grid's root).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn as nn
+
+from loom.config import JobConfig
+from loom.parallel.blocks import transformer_blocks
+from loom.parallel.checkpointing import checkpoint_blocks
+from loom.parallel.compile import compile_blocks
+from loom.parallel import fsdp
+from loom.parallel.fsdp import apply_fsdp, mixed_precision
+from loom.parallel.tensor import apply_encoder_tp
+from loom.topology import Grid
+
+
+def parallelize_encoder(name: str, encoder: nn.Module, grid: Grid | None, cfg: JobConfig, device_type: str,
+                        compile_fn: Callable = compile_blocks) -> nn.Module:
+    """Encoder `name` laid out on `grid` (None: one process, no layout), in place; returns it."""
+    train, par = cfg.train, cfg.parallel
+    # in-place swaps first (compile, then AC around it) so the TP and FSDP2 hooks wrap them;
+    # FSDP2 last: it shards TP's DTensors
+    if train.compile:
+        compile_fn(name, encoder, cfg)
+    checkpoint_blocks(name, encoder, train.activation_checkpointing, train.compile)
+    if grid is None:
+        return encoder
+    lay = grid.layout
+    if lay.tp > 1:
+        apply_encoder_tp(encoder, grid.mesh("tp", device_type=device_type), lay.sequence_parallel)
+    # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
+    apply_fsdp(encoder, transformer_blocks(name, encoder), fsdp.fsdp_mesh(grid, device_type),
+               mixed_precision(train.dtype), par.reshard_after_forward, par.blocks_per_unit)
+    return encoder
