@@ -86,9 +86,9 @@ def test_a_bad_line_stops_the_run_before_any_weight_is_read(tmp_path, monkeypatc
     lines[3] = {"messages": [{"role": "robot", "content": "hi"}]}
     lines[5] = '{"messages": ['
     _rewrite(tmp_path, lines)
-    import loom.train.trainer as trainer
+    import loom.train.build as build
 
-    monkeypatch.setattr(trainer, "initial_weights", lambda *a, **k: pytest.fail("weights read before the data check"))
+    monkeypatch.setattr(build, "initial_weights", lambda *a, **k: pytest.fail("weights read before the data check"))
     where = tmp_path / "data" / "data.jsonl"
     with pytest.raises(BadSample, match=rf"2 bad conversations(.|\n)*{where}:4: messages\[0\]: unknown role 'robot'"
                                         rf"(.|\n)*{where}:6: not valid JSON(.|\n)*on_bad_sample = \"skip\""):
