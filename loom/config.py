@@ -89,6 +89,9 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
     eval_max_new_tokens: int = 64  # exact match generates at most this many tokens (up to the longest answer)
     compile: bool = False  # torch.compile each transformer block (fuses norms, activations, rotary)
+    # what train.compile compiles with: "aot_eager" traces the same graphs (dynamo + AOTAutograd) and runs them
+    # without generated code, which is how the CPU tests check compile in seconds instead of minutes
+    compile_backend: str = choice("inductor", "inductor", "aot_eager")
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute
     activation_checkpointing: str = choice("none", "none", "full", "selective")

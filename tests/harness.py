@@ -3,7 +3,11 @@
 A world is N persistent worker processes with an initialised gloo process group; a test sends a
 module-level function to all of them and gets every rank's return value back. A rank's exception is
 reported with its traceback; a hang (or a dead rank) kills the world and fails the test after a timeout,
-so CI never hangs. Spawning 8 ranks costs ~15 s on the 2-core CI machine, hence the reuse.
+so CI never hangs.
+
+Ranks are forked from multiprocessing's fork server, which imports torch and loom once (`PRELOAD`): a rank
+started afresh spends seconds of CPU importing them (an 8-rank world tens of seconds on the 2-core CI
+machine). The server holds no process group, so each forked rank starts clean. Worlds are reused as well.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import traceback
 from collections.abc import Callable
 
 GRACE_AFTER_FAILURE_S = 5.0  # once one rank failed, the others get this long before the world is killed
+# what the ranks' test bodies import (verify, the Trainer, the digits task's sklearn), once, in the fork server
+PRELOAD = ["torch", "torch.distributed", "loom.train.verify", "loom.train.trainer", "sklearn.datasets"]
 
 
 class WorldError(AssertionError):
@@ -55,7 +61,8 @@ def _worker(rank: int, world_size: int, port: int, paths: list[str], tasks, resu
 class World:
     def __init__(self, size: int) -> None:
         self.size = size
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at the session's first world
         port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(size)]
@@ -101,7 +108,8 @@ class World:
                 lines.append(f"--- rank {r} raised:\n{value}")
         missing = [r for r in range(self.size) if r not in done]
         if dead:
-            lines.append(f"--- ranks {dead} died without reporting")
+            codes = [self._procs[r].exitcode for r in dead]  # -N: killed by signal N (-9 SIGKILL, -11 SIGSEGV)
+            lines.append(f"--- ranks {dead} died without reporting (exit codes {codes})")
         if missing:
             lines.append(f"--- ranks {missing} did not finish within {timeout:.0f} s "
                          f"(hung or waiting on a failed rank)")

@@ -50,8 +50,9 @@ def test_layout_with_checkpointing_matches_reference(worlds, name, mode):
 
 
 def test_full_checkpointing_composes_with_compile(worlds):
-    # the compiled block forward runs inside the checkpoint; the recomputation replays the same graphs
-    overrides = TINY_MODEL_OVERRIDES + ["--train.compile=true"] + FULL
+    # the compiled block forward runs inside the checkpoint; the recomputation replays the same graphs (traced
+    # by dynamo + AOTAutograd whatever the backend: aot_eager spares CI inductor's C++ compile)
+    overrides = TINY_MODEL_OVERRIDES + ["--train.compile=true", "--train.compile_backend=aot_eager"] + FULL
     _check("compiled-dp2-full", worlds.run(2, run_verify, overrides, steps=2, timeout=600))
 
 

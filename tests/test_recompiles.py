@@ -2,15 +2,14 @@
 constant a compiled block or the loss sees is fixed, so a compiled run compiles nothing after its first step,
 although its microbatches differ in sample count, lengths and encoder items.
 
-What recompiles is decided by dynamo's guards, whatever the backend; these runs use "aot_eager" (dynamo +
-AOTAutograd, no inductor code generation) to keep CPU time low. bench/mm_bench.py reports the same count
-(`recompiles`) for the real backend on GPU.
+What recompiles is decided by dynamo's guards, whatever the backend; these runs use "aot_eager"
+(`train.compile_backend`: dynamo + AOTAutograd, no inductor code generation) to keep CPU time low.
+bench/mm_bench.py reports the same count (`recompiles`) for the real backend on GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import torch
@@ -20,27 +19,19 @@ from conftest import tiny_job_overrides
 from loom.job import load_config
 from loom.parallel.compile import row_budgets
 
+COMPILE = ["--train.compile=true", "--train.compile_backend=aot_eager"]
 # B = 5 samples in 2 microbatches of 256 tokens: bins of 1–3 samples, 0–3 images and 0–2 clips each
-FIXED = ["--train.compile=true", "--train.global_batch_size=5", "--train.microbatches=2",
-         "--data.tokens_per_microbatch=256"]
+FIXED = [*COMPILE, "--train.global_batch_size=5", "--train.microbatches=2", "--data.tokens_per_microbatch=256"]
 # padded: every LLM microbatch [2 rows, 48 tokens]; samples over 48 tokens skipped, so some microbatches hold one
 # sample and a filler row
-PADDED = ["--train.compile=true", "--train.global_batch_size=4", "--train.microbatches=2", "--data.format=bshd",
+PADDED = [*COMPILE, "--train.global_batch_size=4", "--train.microbatches=2", "--data.format=bshd",
           "--data.padded_length=48", "--data.too_long=skip"]
 STEPS = 5
 
 
 @contextlib.contextmanager
-def cheap_backend_and_recompile_log():
-    """aot_eager for the blocks and the loss, and dynamo's recompile reasons collected; undone afterwards
-    (test worlds are reused)."""
-    import loom.parallel.compile as compile_mod
-    import loom.train.rank_plan as build
-    import loom.train.loss as loss
-
-    saved = build.compile_blocks, loss.compiled_token_loss_sum
-    build.compile_blocks = functools.partial(compile_mod.compile_blocks, backend="aot_eager")
-    loss.compiled_token_loss_sum = torch.compile(loss.token_loss_sum, backend="aot_eager")
+def recompile_log():
+    """Dynamo's recompile reasons collected; undone afterwards (test worlds are reused)."""
     reasons: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: reasons.append(" | ".join(record.getMessage().splitlines()[:3]))
@@ -53,7 +44,6 @@ def cheap_backend_and_recompile_log():
     finally:
         guards.removeHandler(handler)
         torch._logging.set_logs()
-        build.compile_blocks, loss.compiled_token_loss_sum = saved
 
 
 def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict:
@@ -66,7 +56,7 @@ def compiled_run(out_dir: str, overrides: list[str], steps: int = STEPS) -> dict
     from loom.train.trainer import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else None
-    with cheap_backend_and_recompile_log() as reasons:
+    with recompile_log() as reasons:
         cfg = load_config(None, tiny_job_overrides(out_dir, *overrides), world_size=world)
         trainer = Trainer(cfg)
         shapes, llm_shapes, first, logged = [], set(), 0, 0
@@ -108,7 +98,7 @@ def test_padded_rows_of_fixed_length_compile_nothing_after_the_first_step(tmp_pa
 def test_without_a_token_budget_the_count_sees_recompiles(tmp_path):
     """The control: the same run with packed lengths rounded to 64 instead of T recompiles, so the counter
     (frames dynamo compiled) does see what the fixed run avoids."""
-    result = compiled_run(str(tmp_path), ["--train.compile=true", "--train.global_batch_size=5"])
+    result = compiled_run(str(tmp_path), [*COMPILE, "--train.global_batch_size=5"])
     assert result["recompiles"] > 0 and result["reasons"]
 
 

@@ -104,10 +104,12 @@ def test_trainer_step_same_in_bshd_and_thd(tmp_path, thd_multiple):
 
 def test_compile_traces_every_block_and_keeps_parameter_names(tmp_path):
     """`train.compile` really compiles (dynamo captures graphs for the blocks and the loss), the model keeps
-    its parameter names (checkpoints and HF export unchanged), and a step gives the eager step's result."""
+    its parameter names (checkpoints and HF export unchanged), and a step gives the eager step's result.
+    Dynamo captures the same graphs whatever the backend; aot_eager spares CI inductor's C++ compile."""
     from torch._dynamo.utils import counters
 
-    eager, compiled = _trainer(tmp_path / "eager"), _trainer(tmp_path / "compiled", "--train.compile=true")
+    eager = _trainer(tmp_path / "eager")
+    compiled = _trainer(tmp_path / "compiled", "--train.compile=true", "--train.compile_backend=aot_eager")
     assert list(compiled.model.state_dict()) == list(eager.model.state_dict())
     for layer in compiled.model.language.layers.values():
         assert hasattr(layer.forward, "_torchdynamo_orig_callable")
@@ -116,6 +118,26 @@ def test_compile_traces_every_block_and_keeps_parameter_names(tmp_path):
     a, b = eager.train_step(samples), compiled.train_step(samples)
     assert counters["stats"]["unique_graphs"] > before
     assert b.loss == pytest.approx(a.loss, rel=1e-5) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+
+
+def test_compile_backend_reaches_the_blocks_and_the_loss(tmp_path):
+    """`train.compile_backend = "aot_eager"` (what the CPU tests compile with) traces the blocks and the loss
+    through AOTAutograd and never reaches inductor; inductor is the default, and no other backend is taken."""
+    from torch._dynamo.utils import counters
+
+    from loom.config import ConfigError
+    from loom.train.loss import compiled_token_loss_sum, loss_function
+
+    assert load_config(None, []).train.compile_backend == "inductor"
+    with pytest.raises(ConfigError, match="train.compile_backend"):
+        load_config(None, ["--train.compile_backend=eager"])
+    torch._dynamo.reset()  # frames compiled by earlier tests neither count nor serve this run
+    trainer = _trainer(tmp_path, "--train.compile=true", "--train.compile_backend=aot_eager")
+    inductor, traced = sum(counters["inductor"].values()), counters["aot_autograd"]["total"]
+    trainer.train_step(trainer.batches.shard(0))
+    assert counters["aot_autograd"]["total"] > traced and sum(counters["inductor"].values()) == inductor
+    assert loss_function("aot_eager", False) is compiled_token_loss_sum("aot_eager")
+    assert trainer.plan.objective(trainer.cfg).token_loss is compiled_token_loss_sum("aot_eager")
 
 
 # ---------------------------------------------------------------- determinism and resume

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-from loom.config import JobConfig
+from loom.config import JobConfig, TrainConfig
 from loom.models.encoder_layer import ROW_MULTIPLE, RowBudget
 from loom.parallel.blocks import transformer_blocks
 from loom.topology.layout import resolve_placement
@@ -29,8 +29,10 @@ from loom.topology.layout import resolve_placement
 _CACHE_LIMIT = 64
 
 
-def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None, backend: str = "inductor") -> None:
-    """Compiles every transformer block of module `name` in place; an encoder also gets its row budget."""
+def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -> None:
+    """Compiles every transformer block of module `name` in place, with `train.compile_backend` (inductor
+    without a config); an encoder also gets its row budget."""
+    backend = cfg.train.compile_backend if cfg else "inductor"
     # A compiled TP + SP block restored from AOTAutograd's on-disk cache (a second run of the same job)
     # gave wrong gradients on torch 2.13 while a fresh compile was exact (tests/test_compile_cache.py).
     # Off, every run traces its graphs again; inductor's kernel cache still spares the codegen.
@@ -61,6 +63,11 @@ def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
     sp = {n for n in serves if layouts[n].sequence_parallel}
     rows = {n: -(-r // ROW_MULTIPLE) * ROW_MULTIPLE if n in sp else r for n, r in rows.items()}
     return {n: RowBudget(r, cfg.train.global_batch_size) for n, r in rows.items() if r}
+
+
+def compile_backend(train: TrainConfig) -> str | None:
+    """The backend the step's compiled functions (the loss) use: None when the job does not compile."""
+    return train.compile_backend if train.compile else None
 
 
 def compiled_frames() -> int:

@@ -3,6 +3,8 @@ gradient is the mean over the global batch whatever the layout or microbatching.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -17,10 +19,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # Compiled, the fp32 upcast fuses into the softmax: fp32 logits over a 150K vocabulary are never stored
-# whole, and the backward writes the logits' gradient in their own dtype in one pass.
-compiled_token_loss_sum = torch.compile(token_loss_sum)
+# whole, and the backward writes the logits' gradient in their own dtype in one pass. One compiled function per
+# backend, made at first use.
+@functools.cache
+def compiled_token_loss_sum(backend: str):
+    return torch.compile(token_loss_sum, backend=backend)
 
 
-def loss_function(compile: bool, loss_parallel: bool):
-    """The token loss to use: compiled when asked, except on vocab-sharded (DTensor) logits."""
-    return compiled_token_loss_sum if compile and not loss_parallel else token_loss_sum
+def loss_function(compile_backend: str | None, loss_parallel: bool):
+    """The token loss to use: compiled with `compile_backend` (None: eager), except on vocab-sharded (DTensor)
+    logits."""
+    return compiled_token_loss_sum(compile_backend) if compile_backend and not loss_parallel else token_loss_sum

@@ -32,8 +32,8 @@ class Objective(Protocol):
 class SFT:
     """Next-token cross-entropy over the supervised tokens, divided by the step's global supervised-token count."""
 
-    def __init__(self, compile: bool = False, vocab_sharded: bool = False) -> None:
-        self.token_loss = loss_function(compile, vocab_sharded)
+    def __init__(self, compile_backend: str | None = None, vocab_sharded: bool = False) -> None:
+        self.token_loss = loss_function(compile_backend, vocab_sharded)
 
     def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return self.token_loss(logits, batch.labels)

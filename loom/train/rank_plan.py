@@ -15,7 +15,7 @@ from loom.bridge.p2p import P2PBridge
 from loom.config import JobConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel import parallelize
-from loom.parallel.compile import compile_blocks
+from loom.parallel.compile import compile_backend, compile_blocks
 from loom.parallel.materialize import InitialWeights, materialize
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
@@ -60,7 +60,7 @@ class RankPlan:
 
     def objective(self, cfg: JobConfig) -> Objective:
         """The job's objective on this rank's logits (SFT: the only one a config names yet)."""
-        return SFT(cfg.train.compile, self.run_context.vocab_sharded)
+        return SFT(compile_backend(cfg.train), self.run_context.vocab_sharded)
 
     def train_step(self, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: JobConfig, step: int,
                    inspect_grads=None, objective: Objective | None = None) -> StepResult:

@@ -21,6 +21,7 @@ from rich.table import Table
 from torch.distributed.tensor import DTensor
 
 from loom.config import JobConfig
+from loom.parallel.compile import compile_backend
 from loom.parallel.tied import tied_copy_names
 from loom.train.build import build_job
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
@@ -66,8 +67,9 @@ def checked_config(cfg: JobConfig, against: str, distributed: bool) -> JobConfig
 
 def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: torch.device | None = None,
            console: Console | None = None, against: str = "layout",
-           objective: Callable[[bool, bool], Objective] | None = None) -> list[StepCheck]:
-    """`objective(compiled, vocab_sharded)`: the objective both sides train (default SFT)."""
+           objective: Callable[[str | None, bool], Objective] | None = None) -> list[StepCheck]:
+    """`objective(compile_backend, vocab_sharded)`: the objective both sides train (default SFT); the backend is
+    None when not compiled."""
     if steps < 1:
         raise VerifyUsageError(f"--steps {steps}: verify needs at least one step")
     distributed = dist.is_initialized()
@@ -93,7 +95,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         ref_before, ref_grads = parameters(reference), {}
         ref = ref_plan.train_step(reference, ref_optimizer, full, eager_fp32, step,
                                   inspect_grads=lambda m: ref_grads.update(gradients(m)),
-                                  objective=make_objective(False, False))
+                                  objective=make_objective(None, False))
         if not (math.isfinite(ref.loss) and math.isfinite(ref.grad_norm)):
             raise ReferenceNotFinite(
                 f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
@@ -101,7 +103,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         before, grads, notes = parameters(model), {}, first_notes if step == 0 else []
         r = plan.train_step(model, optimizer, mine, cfg, step,
                             inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)),
-                            objective=make_objective(cfg.train.compile, plan.run_context.vocab_sharded))
+                            objective=make_objective(compile_backend(cfg.train), plan.run_context.vocab_sharded))
         updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
                                   tied_copy_names(model))
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
