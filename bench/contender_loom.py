@@ -6,20 +6,19 @@ import torch
 
 from bench.flops import matmul_params
 from bench.mm_bench import flops_of
-from loom.data.tokenizer import ByteTokenizer
-from loom.train.build import build_job_model, setup_parallel, token_counters
-from loom.train.step_data import step_inputs
-from loom.train.optim import ModuleOptimizers
+from loom.train.build import build_job
 from loom.train.inputs import StepInputs
+from loom.train.job_model import build_job_model
+from loom.train.step_data import step_inputs
 
 
 class LoomContender:
     def __init__(self, cfg, device: torch.device, workload) -> None:
         self.cfg, self.device, self.workload = cfg, device, workload
-        self.tok = ByteTokenizer()
-        self.model = build_job_model(cfg, self.tok)  # on meta: setup_parallel allocates this rank's shards
-        m = self.model
-        self.n_params = sum(p.numel() for p in m.parameters())
+        job = build_job(cfg, device)  # its data goes unused: the workload brings the samples
+        self.cfg, self.tok, self.model, self.plan, self.optimizer = job.cfg, job.tok, job.model, job.plan, job.optimizer
+        self.counters, self.n_params = job.counters, job.n_params
+        m = build_job_model(self.cfg, self.tok)  # on meta, whole: the modules' sizes before any split
         lm, vc, ac = m.language.cfg, m.vision.encoder.cfg, m.audio.encoder.cfg
         self.spec = {  # before parallelisation: plain module sizes
             "patch": vc.patch_size,
@@ -28,9 +27,6 @@ class LoomContender:
             "audio": (matmul_params(m.audio), ac.num_layers, ac.hidden_size),
             "llm_length": len,
         }
-        self.counters = token_counters(m)
-        self.plan = setup_parallel(m, cfg, device)  # weights drawn per name (train.seed), on the device
-        self.optimizer = ModuleOptimizers(m, list(self.plan.hosted), cfg.train)
         self._computed, self._real = 0, 0
 
     def inputs(self, step: int) -> StepInputs:

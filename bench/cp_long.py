@@ -23,15 +23,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loom.job import load_config
+from loom.bridge.replica_rows import ReplicaRows
 from loom.data.packing import pack_samples
 from loom.data.sample import Sample
-from loom.data.tokenizer import ByteTokenizer
 from loom.distributed import init_distributed, shutdown
-from loom.train.build import build_job_model, setup_parallel
-from loom.train.optim import ModuleOptimizers
-from loom.bridge.replica_rows import ReplicaRows
+from loom.job import load_config
+from loom.train.build import build_job
 from loom.train.inputs import StepInputs
+from loom.train.optim import ModuleOptimizers
 
 # a ~0.4B-parameter Llama-shaped LLM; the encoders stay tiny (text-only samples: they run one dummy item)
 LLM = ["--model.language.hidden_size=1024", "--model.language.num_layers=16", "--model.language.num_heads=16",
@@ -62,12 +61,10 @@ def main() -> None:
         # one sample per LLM replica: the encoders get as many replicas (split the rest by tp)
         f"--layout.vision.tp={args.cp}", f"--layout.audio.tp={args.cp}",
         f"--train.global_batch_size={dp}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
-        "--train.grad_clip=1.0", "--data.train_size=64",
+        "--train.grad_clip=1.0", "--data.train_size=64", "--data.heldout_size=1",
     ], world_size=world)
-    tok = ByteTokenizer()
-    model = build_job_model(cfg, tok)  # on meta: setup_parallel allocates this rank's shards on the device
-    plan = setup_parallel(model, cfg, device)
-    optimizer = ModuleOptimizers(model, [*model.encoder_names, "language"], cfg.train)
+    job = build_job(cfg, device)  # its data goes unused: the step below is one synthetic sample per replica
+    cfg, tok, model, plan, optimizer = job.cfg, job.tok, job.model, job.plan, job.optimizer
     g = torch.Generator().manual_seed(plan.shares["language"][0])
     ids = torch.randint(0, 256, (args.seq,), generator=g).tolist()  # one sample: this replica's share
     batch = pack_samples([Sample(ids, [False] + [True] * (args.seq - 1), [], [])], tok.pad_id, 2 * args.cp)

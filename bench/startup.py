@@ -3,12 +3,12 @@
     torchrun --standalone --nproc-per-node=4 bench/startup.py            # the 2B workload's model, bf16, dp4
     torchrun --standalone --nproc-per-node=2 bench/startup.py --small    # the CPU form CI runs
 
-Times and measures `build_job_model` → `setup_parallel` → the optimizer, the part of `loom train` before the
-first step. Under the old start-up (before the meta-device build) every rank built the whole model in fp32
-on the host and moved it to its GPU before sharding; run this script with an older loom first on
-PYTHONPATH to measure that (`build_job_model` then returns a model with storage, which is moved as the old
-trainer did). Prints one JSON line: per rank, the peak host RSS, the peak and the resident GPU memory after
-start-up, and the seconds taken.
+Times and measures `build_job` (tokenizer, data, the model on meta, this rank's shards, the optimizer), the
+part of `loom train` before the first step; the data is kept small (64 samples) so the model dominates. The
+old start-up (before the meta-device build: every rank built the whole model in fp32 on the host and moved
+it to its GPU before sharding) was measured at the commit that replaced it (bench/RESULTS.md). Prints one
+JSON line: per rank, the peak host RSS, the peak and the resident GPU memory after start-up, and the seconds
+taken.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import torch.distributed as dist
 import loom
 
 from bench.mm_bench import AUDIO, LLM, SMALL_MODEL, VIT
-from loom.job import load_config
-from loom.data.tokenizer import ByteTokenizer
 from loom.distributed import init_distributed, shutdown
-from loom.train.build import build_job_model, setup_parallel
-from loom.train.optim import ModuleOptimizers
+from loom.job import load_config
+from loom.train.build import build_job
 
 
 def main() -> None:
@@ -42,18 +40,13 @@ def main() -> None:
     gpu = device.type == "cuda"
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(None, (SMALL_MODEL if args.small else LLM + VIT + AUDIO) + [
-        f"--train.dtype={'bf16' if gpu else 'fp32'}", f"--train.global_batch_size={world}",
+        f"--train.dtype={'bf16' if gpu else 'fp32'}", f"--train.global_batch_size={world}", "--data.train_size=64",
+        "--data.heldout_size=1",
     ] + [f"--{kv}" for kv in args.set], world_size=world)
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    model = build_job_model(cfg, ByteTokenizer())
-    n_params = sum(t.numel() for t in model.parameters())
-    old = not any(t.is_meta for t in model.parameters())
-    if old:  # the start-up before the meta build: whole on the host, then moved to the device, then sharded
-        model = model.to(device)
-    plan = setup_parallel(model, cfg, device)
-    ModuleOptimizers(model, list(plan.hosted), cfg.train)
+    n_params = build_job(cfg, device).n_params
     if gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -71,7 +64,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         worst = {k: max(r[k] for r in ranks) if ranks[0][k] is not None else None for k in mine}
         print(json.dumps({
-            "bench": "startup", "start_up": "whole model, then sharded" if old else "meta, then shards",
+            "bench": "startup", "start_up": "meta, then shards",
             "gpus": world if gpu else 0, "ranks": world, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
             "torch": torch.__version__, "commit": commit or None, "loom": str(Path(loom.__file__).parent),
             "params_b": round(n_params / 1e9, 3),

@@ -509,6 +509,24 @@ def test_loom_eval_of_a_checkpoint_matches_the_run_s_own_evaluation(tmp_path, ca
     assert step == 3 and metrics == final
 
 
+def test_loom_eval_names_the_weights_a_checkpoint_lacks_before_reading_any(tmp_path, capsys, monkeypatch):
+    """A checkpoint whose config names a model it does not hold (here one LLM layer more) is refused with the
+    missing names and counts, before a tensor is read."""
+    import loom.checkpoint.read as read
+
+    out = tmp_path / "run"
+    _trainer(out, "--train.steps=1", "--data.heldout_size=2").run()
+    state_file = out / "step-1" / "state.json"
+    state = json.loads(state_file.read_text())
+    layers = state["config"]["model"]["language"]["num_layers"]
+    state["config"]["model"]["language"]["num_layers"] = layers + 1
+    state_file.write_text(json.dumps(state))
+    monkeypatch.setattr(read, "read_one", lambda *a: pytest.fail("a tensor was read before the check"))
+    assert loom.cli.main(["eval", str(out / "step-1"), "--device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"holds no ['language.layers.{layers}." in err and "of the" in err
+
+
 def test_loom_eval_refuses_a_folder_that_is_no_checkpoint(tmp_path, capsys):
     assert loom.cli.main(["eval", str(tmp_path)]) == 2
     assert "not a complete loom checkpoint" in capsys.readouterr().err

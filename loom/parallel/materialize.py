@@ -10,6 +10,8 @@ one-process reference starts from (loom verify compares them after every step).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -21,6 +23,18 @@ from loom.models.hf.load import HFWeights
 from loom.models.init import give_storage, initial_value
 
 
+class WeightSource(Protocol):
+    """Where `materialize` reads each tensor's first value: a training run's InitialWeights, or a checkpoint
+    (loom/checkpoint/read.py)."""
+
+    def check_holds(self, names: set[str]) -> None: ...
+
+    def part(self, name: str, owner: nn.Module, attr: str, shape: torch.Size, box: tuple[slice, ...],
+             device: torch.device, is_buffer: bool) -> torch.Tensor | None: ...
+
+    def close(self) -> None: ...
+
+
 class InitialWeights:
     """Each tensor's initial value by its one-process name: from the Hugging Face folder of the module that
     holds it (`folders`: name prefix → its HFWeights, e.g. "vision.encoder." → SigLIP's), else drawn from a
@@ -29,6 +43,9 @@ class InitialWeights:
     def __init__(self, seed: int, llm_std: float, folders: dict[str, HFWeights] | None = None) -> None:
         self.seed, self.llm_std = seed, llm_std
         self.folders = folders or {}
+
+    def check_holds(self, names: set[str]) -> None:
+        pass  # every weight has a start: a folder checked its names and shapes when opened, a draw covers the rest
 
     def part(self, name: str, owner: nn.Module, attr: str, shape: torch.Size, box: tuple[slice, ...],
              device: torch.device, is_buffer: bool) -> torch.Tensor | None:
@@ -68,7 +85,7 @@ def local_part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def materialize(model: nn.Module, device: torch.device, weights: InitialWeights,
+def materialize(model: nn.Module, device: torch.device, weights: WeightSource,
                 renames: dict[str, str] | None = None) -> None:
     """Gives `model` storage on `device` and fills every parameter's local part (and every buffer a folder
     holds). `renames`: a name here → the one-process name whose value it starts from (a pipelined LLM's head

@@ -13,7 +13,7 @@ from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
 from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
-from loom.parallel.materialize import materialize
+from loom.parallel.materialize import WeightSource, materialize
 from loom.checkpoint.sharded import tied_aliases
 from loom.topology.checks import sample_multiple
 from loom.topology.layout import resolve_placement
@@ -47,11 +47,12 @@ class Job:
 
 
 def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bool = True,
-              reference: bool = False) -> Job:
+              reference: bool = False, weights: WeightSource | None = None) -> Job:
     """The job's tokenizer, model (built on meta, then this rank's shards only), data (every line checked before
     any weight is read), rank plan, optimizer and global batches. `pretrained`: read the Hugging Face folders
     (a resumed run takes its weights from the checkpoint instead); `reference`: also the whole model from the
-    same initial weights, never parallelised or compiled (`loom verify`)."""
+    same initial weights, never parallelised or compiled (`loom verify`); `weights`: where the weights come
+    from instead of the folders and seeded draws (`loom eval`: a checkpoint)."""
     torch.manual_seed(cfg.train.seed)  # initial weights are seeded per name; this seeds any later draw
     device = device or resolve_device(cfg.train.device)
     tok = job_tokenizer(cfg)
@@ -59,7 +60,7 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
     model = build_job_model(cfg, tok)  # on meta until setup_parallel gives this rank its shards
     counters = token_counters(model)
     data = build_job_data(cfg, tok, counters)
-    weights = initial_weights(model, cfg, pretrained)
+    weights = weights or initial_weights(model, cfg, pretrained)
     try:
         whole = None
         if reference:
@@ -72,6 +73,7 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
         cfg = with_padded_length(cfg, data.longest, multiple)
         aliases = tied_aliases(model)
         names = set(model.state_dict()) - set(aliases)
+        weights.check_holds(names)  # before any is read
         n_params = sum(p.numel() for p in model.parameters())
         plan = setup_parallel(model, cfg, device, weights, placement)
     finally:

@@ -16,7 +16,7 @@ from loom.config import JobConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel import parallelize
 from loom.parallel.compile import compile_backend, compile_blocks
-from loom.parallel.materialize import InitialWeights, materialize
+from loom.parallel.materialize import WeightSource, materialize
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
 from loom.topology import Placement, Topology
@@ -78,7 +78,7 @@ def one_process_plan(modules: list[str], multiple: int, dtype: str, device: torc
 
 
 def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
-                   weights: InitialWeights | None = None, placement: Placement | None = None) -> RankPlan:
+                   weights: WeightSource | None = None, placement: Placement | None = None) -> RankPlan:
     """Every run: compile and checkpoint the blocks as configured. Under torchrun also: build every group,
     apply each module's layout, and build the seams. Then the model (on `meta` until now) gets storage on
     `device` for what this rank holds, filled from `weights` (default: the job's `initial_weights`);
