@@ -71,6 +71,21 @@ class ModuleTrainConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """[train.grpo]: the GRPO objective (train.objective = "grpo"); per-token fields from the data: advantage,
+    and optionally logprobs (the behaviour policy's) and ref_logprobs (the reference policy's)."""
+
+    clip_low: float = 0.2  # ε_low: the ratio is clipped below at 1 − ε_low
+    clip_high: float = 0.2  # ε_high: above at 1 + ε_high (DAPO's clip-higher uses 0.28)
+    dual_clip: float = 0.0  # c > 1: for A < 0 the loss is capped at −A·c; 0: off
+    kl_beta: float = 0.0  # β: weight of the k3 estimate of KL(policy ‖ reference), from ref_logprobs
+    # "token": every completion token weighs the same, over the global batch; "sequence": each sequence's token
+    # mean, averaged over the global batch's sequences
+    normalise: str = choice("token", "token", "sequence")
+    temperature: float = 1.0  # the logits are divided by it before the log-softmax (as the sampler did)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 600
     global_batch_size: int = 32
@@ -95,6 +110,9 @@ class TrainConfig:
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute
     activation_checkpointing: str = choice("none", "none", "full", "selective")
+    # what a step minimises: "sft" (next-token cross-entropy) or "grpo" ([train.grpo])
+    objective: str = choice("sft", "sft", "grpo")
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     vision: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     audio: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     language: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
@@ -221,8 +239,14 @@ def check_values(cfg: JobConfig) -> None:
             "data.workers": d.workers,
             "run.save_every": cfg.run.save_every,
             "run.keep_last": cfg.run.keep_last,
+            "train.grpo.clip_low": t.grpo.clip_low,
+            "train.grpo.clip_high": t.grpo.clip_high,
+            "train.grpo.kl_beta": t.grpo.kl_beta,
         }
     )
+    check_positive({"train.grpo.temperature": t.grpo.temperature})
+    if t.grpo.dual_clip and t.grpo.dual_clip <= 1:
+        raise ConfigError(f"train.grpo.dual_clip = {t.grpo.dual_clip} must be > 1 (0: off)")
     for name in ("vision", "audio", "language"):
         if getattr(t, name).lr_scale < 0:
             raise ConfigError(f"train.{name}.lr_scale = {getattr(t, name).lr_scale} must be ≥ 0")

@@ -53,6 +53,22 @@ class Batch:
                      {k: fn(t) for k, t in self.fields.items()})
 
 
+def sequence_index(batch: Batch) -> torch.Tensor:
+    """The sample each token belongs to, shaped like the labels: a packed batch's segment of cu_seqlens, a
+    padded batch's row."""
+    labels = batch.labels
+    if batch.spans.packed:
+        ends = batch.spans.cu_seqlens[1:].long()
+        return torch.bucketize(torch.arange(labels.numel(), device=ends.device), ends, right=True).view_as(labels)
+    return torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)
+
+
+def supervised_sequences(batch: Batch) -> int:
+    """Samples of the batch with at least one target."""
+    index = sequence_index(batch)[batch.labels != IGNORE_INDEX]
+    return int(index.unique().numel())
+
+
 def shifted_labels(sample: Sample) -> list[int]:
     """labels[i] = tokens[i+1] when that token is supervised, else IGNORE; the last token predicts nothing,
     so a label never crosses into the next sample."""

@@ -20,7 +20,7 @@ import torch
 
 from loom.bridge.replica_rows import ReplicaRows
 from loom.config import ConfigError, JobConfig
-from loom.data.batch import Batch, pad_samples, round_up, supervised_count
+from loom.data.batch import Batch, pad_samples, round_up, supervised_count, supervised_sequences
 from loom.data.bins import assign_bins, bin_stats
 from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
@@ -57,10 +57,12 @@ class StepInputs:
     # them; the step must not start until every rank knows them, train/step_data.py's step_inputs)
     failed: dict[int, str] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)  # the dataset indices the microbatches hold
+    sequences: int = 0  # samples of the whole global batch with a target (sequence-normalised objectives)
 
     @staticmethod
     def of(batch: Batch, tokens: int = 0) -> StepInputs:
-        return StepInputs([StepBatch.of(batch)], batch.num_supervised, tokens, global_tokens=tokens)
+        return StepInputs([StepBatch.of(batch)], batch.num_supervised, tokens, global_tokens=tokens,
+                          sequences=supervised_sequences(batch))
 
     def to(self, device: torch.device, non_blocking: bool = False) -> StepInputs:
         return self.map(lambda t: t.to(device, non_blocking=non_blocking), lambda b: b.to(device, non_blocking))
@@ -224,8 +226,10 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
         stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
-    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats, sum(len(s) for s in samples),
-                      {indices[p]: message for p, message in failed.items()}, list(indices))
+    targets = [supervised_count(s) for s in samples]
+    return StepInputs(micro, sum(targets), real, stats, sum(len(s) for s in samples),
+                      {indices[p]: message for p, message in failed.items()}, list(indices),
+                      sum(n > 0 for n in targets))
 
 
 def _decode(samples: list[Sample], p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:

@@ -9,7 +9,9 @@ An objective answers two questions, and the step program asks nothing else of it
   global batch for others. Dividing each microbatch by the *global* count is what makes every layout's
   gradient the reference's, for any dp, cp, pp, M or placement.
 Per-token inputs beyond the labels (advantages, behaviour or reference logprobs) arrive in `batch.fields`,
-packed, padded and CP-sharded like the labels.
+packed, padded and CP-sharded like the labels. An objective may also keep metric sums on the side
+(`metric_names`, `take_metrics()`: sums over its tokens, their count last): the step adds them over the world
+and reports their means.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Protocol
 
 import torch
 
+from loom.config import TrainConfig
 from loom.data.batch import Batch
+from loom.rl.grpo import GRPO
 from loom.train.inputs import StepInputs
 from loom.train.loss import loss_function
 
@@ -40,3 +44,22 @@ class SFT:
 
     def normaliser(self, inputs: StepInputs) -> int:
         return max(1, inputs.supervised)
+
+
+def make_objective(train: TrainConfig, compile_backend: str | None, vocab_sharded: bool) -> Objective:
+    """The objective `train.objective` names, on logits compiled with `compile_backend` (None: eager) and
+    vocab-sharded or not."""
+    if train.objective == "grpo":
+        return GRPO(train.grpo)
+    return SFT(compile_backend, vocab_sharded)
+
+
+def metric_means(objective: Objective, reduce) -> dict[str, float]:
+    """The objective's metrics over the step: its sums, added over the world by `reduce` (list → list), each
+    divided by the token count that comes last; {} for an objective that keeps none."""
+    names = getattr(objective, "metric_names", ())
+    if not names:
+        return {}
+    sums = objective.take_metrics()  # None where no loss ran (a pipeline's earlier stage, an encoder rank) …
+    *values, count = reduce([0.0] * (len(names) + 1) if sums is None else sums.tolist())  # … which reduces too
+    return {name: v / max(count, 1.0) for name, v in zip(objective.metric_names, values)}

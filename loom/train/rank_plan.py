@@ -24,7 +24,7 @@ from loom.topology.checks import sample_multiple
 from loom.train.encoder_ranks import EncoderRanks, stage0_order
 from loom.train.inputs import StepInputs
 from loom.train.job_model import initial_weights
-from loom.train.objective import SFT, Objective
+from loom.train.objective import Objective, make_objective
 from loom.train.optim import GradNormShare
 from loom.train.rows import LocalRows, ReceivedRows, RowSource, WholeStepRows
 from loom.train.runners import LLMRunner, MicrobatchLoop, RunContext, ScheduleRunner
@@ -59,8 +59,8 @@ class RankPlan:
         return not self.distributed or dist.get_rank() == 0
 
     def objective(self, cfg: JobConfig) -> Objective:
-        """The job's objective on this rank's logits (SFT: the only one a config names yet)."""
-        return SFT(compile_backend(cfg.train), self.run_context.vocab_sharded)
+        """The objective `train.objective` names, on this rank's logits."""
+        return make_objective(cfg.train, compile_backend(cfg.train), self.run_context.vocab_sharded)
 
     def train_step(self, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: JobConfig, step: int,
                    inspect_grads=None, objective: Objective | None = None) -> StepResult:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from loom.config import TrainConfig
 from loom.models.multimodal import MultimodalModel
 from loom.train.inputs import StepInputs
-from loom.train.objective import Objective
+from loom.train.objective import Objective, metric_means
 from loom.train.optim import GradNormShare, clip_and_check, reduce_values, set_lr
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's, over the global batch (GRPO's)
 
 
 def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: TrainConfig, step: int,
@@ -56,7 +57,9 @@ def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepIn
     before clipping (loom verify)."""
     lr = set_lr(optimizer, step, cfg)
     loss = run_microbatches(plan, model, inputs, objective, train=True)
-    return finish_step(model, optimizer, loss, lr, cfg, plan.comms, inspect_grads)
+    result = finish_step(model, optimizer, loss, lr, cfg, plan.comms, inspect_grads)
+    result.metrics = metric_means(objective, lambda sums: world_sum(sums, plan.comms))
+    return result
 
 
 @torch.no_grad()
@@ -91,9 +94,16 @@ def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: 
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if comms.norm_share is not None:  # under a layout: every rank reports the step's loss
-        loss = reduce_values([loss if comms.adds_loss else 0.0], dist.ReduceOp.SUM, None)[0]
+    loss = world_sum([loss], comms)[0]  # under a layout: every rank reports the step's loss
     return StepResult(loss, norm, lr, not finite)
+
+
+def world_sum(values: list[float], comms: StepComms) -> list[float]:
+    """Values of the step's loss kind (each LLM replica's part, on its tp-0 last-stage rank) added over the
+    world, the same on every rank; one process: as they are."""
+    if comms.norm_share is None:
+        return values
+    return reduce_values([v if comms.adds_loss else 0.0 for v in values], dist.ReduceOp.SUM, None)
 
 
 def one_process_autocast(dtype: str, device: torch.device):

@@ -79,7 +79,8 @@ class Trainer:
                 tokens += self.last_tokens
                 elapsed = time.perf_counter() - t0
                 log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped),
-                                    "bad_samples": float(len(self.data.bad)), **self.last_stats})
+                                    "bad_samples": float(len(self.data.bad)), **self.last_stats,
+                                    **{f"{cfg.train.objective}/{k}": v for k, v in r.metrics.items()}})
                 status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}"
                 if r.skipped:
                     log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped on every rank")

@@ -11,6 +11,7 @@ against its own copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ from loom.parallel.tied import tied_copy_names
 from loom.train.build import build_job
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.inputs import StepInputs, collate
-from loom.train.objective import SFT, Objective
+from loom.train.objective import Objective, make_objective
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.rank_plan import one_process_plan
 from loom.train.resync import resync_from_reference
@@ -68,8 +69,8 @@ def checked_config(cfg: JobConfig, against: str, distributed: bool) -> JobConfig
 def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: torch.device | None = None,
            console: Console | None = None, against: str = "layout",
            objective: Callable[[str | None, bool], Objective] | None = None) -> list[StepCheck]:
-    """`objective(compile_backend, vocab_sharded)`: the objective both sides train (default SFT); the backend is
-    None when not compiled."""
+    """`objective(compile_backend, vocab_sharded)`: the objective both sides train (default: the one
+    `train.objective` names); the backend is None when not compiled."""
     if steps < 1:
         raise VerifyUsageError(f"--steps {steps}: verify needs at least one step")
     distributed = dist.is_initialized()
@@ -82,7 +83,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     # the reference: eager fp32 on one process, the whole global batch at once, the same objective
     eager_fp32 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False, dtype="fp32"))
     ref_plan = one_process_plan(modules, plan.sample_multiple, "fp32", job.device)
-    make_objective = objective or SFT
+    make = objective or functools.partial(make_objective, cfg.train)  # both sides: the one the config names
     out = console or Console(width=170)
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
     checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
@@ -95,7 +96,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         ref_before, ref_grads = parameters(reference), {}
         ref = ref_plan.train_step(reference, ref_optimizer, full, eager_fp32, step,
                                   inspect_grads=lambda m: ref_grads.update(gradients(m)),
-                                  objective=make_objective(None, False))
+                                  objective=make(None, False))
         if not (math.isfinite(ref.loss) and math.isfinite(ref.grad_norm)):
             raise ReferenceNotFinite(
                 f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
@@ -103,7 +104,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         before, grads, notes = parameters(model), {}, first_notes if step == 0 else []
         r = plan.train_step(model, optimizer, mine, cfg, step,
                             inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)),
-                            objective=make_objective(compile_backend(cfg.train), plan.run_context.vocab_sharded))
+                            objective=make(compile_backend(cfg.train), plan.run_context.vocab_sharded))
         updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
                                   tied_copy_names(model))
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
