@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("config", nargs="?", help="TOML job config")
     plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
     plan.add_argument("--png", default=None, help="where to write the picture (default: <config name>.plan.png)")
+    score = sub.add_parser("score", help="per-token logprobs, entropy and top-k of a JSONL's conversations")
+    score.add_argument("config", help="TOML job config (data.sources: the conversation format)")
+    score.add_argument("--data", required=True, help="JSONL of conversations to score (their assistant turns)")
+    score.add_argument("--out", required=True, help="folder for scores.jsonl")
+    score.add_argument("--checkpoint", default=None, help="a loom checkpoint (step-N) to score with")
     evaluate = sub.add_parser("eval", help="held-out metrics of a saved checkpoint on one process (generation too)")
     evaluate.add_argument("checkpoint", help="a checkpoint folder (step-N), or a run's out_dir (its latest)")
     evaluate.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
@@ -53,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _eval(args.checkpoint, args.device)
     overrides = extra
+    if args.command == "score":  # the conversations to score come in as the held-out file
+        overrides = [*extra, f"--data.heldout={args.data}"]
     bad = [o for o in overrides if not o.startswith("--")]
     if bad:
         parser.error(f"unexpected arguments {bad}; overrides look like --train.steps=50")
@@ -71,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":  # the ranks parse the same verify flags
             flags = [f"--steps={args.steps}", f"--against={args.against}"]
             flags += [f"--tolerance={args.tolerance}"] if args.tolerance is not None else []
+        if args.command == "score":
+            flags = [f"--data={args.data}", f"--out={args.out}"]
+            flags += [f"--checkpoint={args.checkpoint}"] if args.checkpoint else []
         code = launch_local(cfg.layout.world_size, [args.command, config, *flags, *overrides])
         if code == 0 and args.command == "train":  # generation's exact match, from the checkpoint, on one process
             return _eval(cfg.run.out_dir, cfg.train.device)
@@ -109,6 +119,11 @@ def _run(args, cfg) -> int:
                 print(f"loom verify: {e}", file=sys.stderr)
                 return 1
             return 0 if all(c.passed for c in checks) else 1
+        if args.command == "score":
+            from loom.rl.score_cli import run_score
+
+            run_score(cfg, args.out, args.checkpoint, device)
+            return 0
         from loom.train.trainer import Trainer
 
         Trainer(cfg, device).run()

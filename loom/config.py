@@ -170,6 +170,14 @@ class ParallelConfig:
 
 
 @dataclass
+class ScoreConfig:
+    """[score]: `loom score` and RL's scoring pass."""
+
+    top_k: int = 0  # the k largest logits and their token ids at each scored position (0: none)
+    temperature: float = 1.0  # the logits are divided by it first (the sampler's)
+
+
+@dataclass
 class JobConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -177,6 +185,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -244,7 +253,8 @@ def check_values(cfg: JobConfig) -> None:
             "train.grpo.kl_beta": t.grpo.kl_beta,
         }
     )
-    check_positive({"train.grpo.temperature": t.grpo.temperature})
+    check_positive({"train.grpo.temperature": t.grpo.temperature, "score.temperature": cfg.score.temperature})
+    check_non_negative({"score.top_k": cfg.score.top_k})
     if t.grpo.dual_clip and t.grpo.dual_clip <= 1:
         raise ConfigError(f"train.grpo.dual_clip = {t.grpo.dual_clip} must be > 1 (0: off)")
     for name in ("vision", "audio", "language"):

@@ -76,10 +76,10 @@ class TokenStats:
     entropy: torch.Tensor  # of the whole next-token distribution, at every position
 
 
-def token_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> TokenStats:
+def token_stats(logits: torch.Tensor | VocabShard, labels: torch.Tensor, temperature: float = 1.0) -> TokenStats:
     """Log-probability of each position's label and the distribution's entropy, in fp32, from logits
-    `[..., V]` (whole, or a DTensor sharded over the vocabulary) at `temperature`; differentiable."""
-    shard = vocab_shard(logits)
+    `[..., V]` (whole, a DTensor sharded over the vocabulary, or a VocabShard) at `temperature`; differentiable."""
+    shard = logits if isinstance(logits, VocabShard) else vocab_shard(logits)
     z = shard.local.float() / temperature
     z = z - _max_over_shards(z.amax(-1, keepdim=True), shard.group)
     exp = z.exp()
@@ -96,11 +96,11 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float =
 
 
 @torch.no_grad()
-def top_k(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(logits: torch.Tensor | VocabShard, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits / temperature at each position and their token ids, largest first, ties broken by
     the lowest id; from vocab-sharded logits, each shard's top k are exchanged (k·tp candidates), not the
     vocabulary."""
-    shard = vocab_shard(logits)
+    shard = logits if isinstance(logits, VocabShard) else vocab_shard(logits)
     values, ids = _top_k_lowest_id(shard.local.float() / temperature, k)
     ids = ids + shard.offset
     if shard.group is not None:
