@@ -113,6 +113,9 @@ class TrainConfig:
     # what a step minimises: "sft" (next-token cross-entropy) or "grpo" ([train.grpo])
     objective: str = choice("sft", "sft", "grpo")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # the frozen policy whose logprobs each step scores first (a per-token `ref_logprobs` field for GRPO's KL):
+    # "none", "initial" (the weights the run starts from), or a loom checkpoint folder (step-N)
+    reference: str = "none"
     vision: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     audio: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     language: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
@@ -255,6 +258,11 @@ def check_values(cfg: JobConfig) -> None:
     )
     check_positive({"train.grpo.temperature": t.grpo.temperature, "score.temperature": cfg.score.temperature})
     check_non_negative({"score.top_k": cfg.score.top_k})
+    if t.reference != "none" and t.objective != "grpo":
+        raise ConfigError(f"train.reference = {t.reference!r} is read by train.objective = 'grpo' (its KL term); "
+                          f"train.objective is {t.objective!r}")
+    if t.reference not in ("none", "initial") and not Path(t.reference).is_dir():
+        raise ConfigError(f"train.reference = {t.reference!r}: no such checkpoint folder (or 'none', 'initial')")
     if t.grpo.dual_clip and t.grpo.dual_clip <= 1:
         raise ConfigError(f"train.grpo.dual_clip = {t.grpo.dual_clip} must be > 1 (0: off)")
     for name in ("vision", "audio", "language"):

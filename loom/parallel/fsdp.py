@@ -69,3 +69,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     for m in model.children():
         if isinstance(m, FSDPModule):
             m.set_requires_gradient_sync(enabled)
+
+
+def reshard(model: nn.Module) -> None:
+    """Frees every FSDP2 unit's unsharded parameters, so the next forward gathers them from the shards again.
+    The root unit keeps its unsharded parameters after a forward (reshard_after_forward=False): values
+    swapped into the shards for one pass (rl/reference.py) must not outlive the swap there — without this,
+    `loom verify` saw the step's updates of the root's parameters differ (tests/test_reference.py)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

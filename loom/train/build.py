@@ -14,6 +14,8 @@ from loom.data.sample import Sample
 from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.materialize import WeightSource, materialize
+from loom.rl.reference import ReferencePolicy
+from loom.checkpoint.read import CheckpointWeights
 from loom.checkpoint.sharded import tied_aliases
 from loom.topology.checks import sample_multiple
 from loom.topology.layout import resolve_placement
@@ -79,6 +81,16 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
     finally:
         weights.close()
     check_longest(cfg, data.longest, plan.sample_multiple)  # on every rank alike, before the first step
+    plan.reference = reference_policy(model, cfg)
     optimizer = ModuleOptimizers(model, list(plan.hosted), cfg.train)
     return Job(cfg, device, tok, model, counters, data, plan, optimizer, build_batches(cfg, data), aliases, names,
                n_params, whole)
+
+
+def reference_policy(model: MultimodalModel, cfg: JobConfig) -> ReferencePolicy | None:
+    """`train.reference`: none, the model's weights as built ("initial"), or a checkpoint's, as this rank's
+    parts beside the model's."""
+    ref = cfg.train.reference
+    if ref == "none":
+        return None
+    return ReferencePolicy(model, cfg.train.grpo.temperature, None if ref == "initial" else CheckpointWeights(ref))

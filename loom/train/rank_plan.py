@@ -28,7 +28,7 @@ from loom.train.objective import Objective, make_objective
 from loom.train.optim import GradNormShare
 from loom.train.rows import LocalRows, ReceivedRows, RowSource, WholeStepRows
 from loom.train.runners import LLMRunner, MicrobatchLoop, RunContext, ScheduleRunner
-from loom.train.step import StepComms, StepResult, train_step
+from loom.train.step import ReferenceScores, StepComms, StepResult, train_step
 
 DATA_GROUP = "data: samples found bad when decoding (gloo)"
 
@@ -49,6 +49,8 @@ class RankPlan:
     pipeline: Pipeline | None = None  # the LLM's schedule over this rank's stages, when pp > 1
     hosted: tuple[str, ...] = ()  # the modules this rank holds (all of them unless non-colocated)
     data_group: dist.ProcessGroup | None = None  # a user's data: the gloo world group agreeing on undecodable files
+    # train.reference: the frozen policy whose logprobs each step scores first (rl/reference.py), else None
+    reference: ReferenceScores | None = None
 
     @property
     def distributed(self) -> bool:

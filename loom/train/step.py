@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,12 @@ from loom.train.optim import GradNormShare, clip_and_check, reduce_values, set_l
 
 if TYPE_CHECKING:
     from loom.train.build import RankPlan
+
+
+class ReferenceScores(Protocol):
+    """A frozen reference policy (rl/reference.py): before the step, each microbatch's `ref_logprobs` field."""
+
+    def score_into(self, plan: RankPlan, model: MultimodalModel, inputs: StepInputs) -> None: ...
 
 
 @dataclass
@@ -56,6 +62,8 @@ def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepIn
     one clip and one optimizer step. `inspect_grads(model)` sees the raw gradients after the last backward,
     before clipping (loom verify)."""
     lr = set_lr(optimizer, step, cfg)
+    if plan.reference is not None:  # the reference policy's logprobs, each microbatch's `ref_logprobs` field
+        plan.reference.score_into(plan, model, inputs)
     loss = run_microbatches(plan, model, inputs, objective, train=True)
     result = finish_step(model, optimizer, loss, lr, cfg, plan.comms, inspect_grads)
     result.metrics = metric_means(objective, lambda sums: world_sum(sums, plan.comms))

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from loom.config import JobConfig
 from loom.parallel.compile import compile_backend
 from loom.parallel.tied import tied_copy_names
-from loom.train.build import build_job
+from loom.train.build import build_job, reference_policy
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.inputs import StepInputs, collate
 from loom.train.objective import Objective, make_objective
@@ -83,6 +83,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     # the reference: eager fp32 on one process, the whole global batch at once, the same objective
     eager_fp32 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False, dtype="fp32"))
     ref_plan = one_process_plan(modules, plan.sample_multiple, "fp32", job.device)
+    ref_plan.reference = reference_policy(reference, cfg)  # train.reference: the same frozen weights, whole
     make = objective or functools.partial(make_objective, cfg.train)  # both sides: the one the config names
     out = console or Console(width=170)
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
