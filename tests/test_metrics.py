@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 import types
 
 import pytest
@@ -60,5 +61,10 @@ def test_wandb_offline_writes_a_run_without_network(tmp_path, monkeypatch):
     assert loom.cli.main(["train", "configs/tiny.toml", *TINY, f"--run.out_dir={out}", "--run.wandb=true",
                           "--run.wandb_mode=offline"]) == 0
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads later
-    written = run_file.read_bytes()
-    assert all(key in written for key in (b"train/loss", b"heldout/exact_match", b"global_batch_size"))
+    keys = (b"train/loss", b"heldout/exact_match", b"global_batch_size")
+    for _ in range(60):  # wandb's service process writes the file: on a loaded machine, after finish() returns
+        written = run_file.read_bytes()
+        if all(key in written for key in keys):
+            break
+        time.sleep(0.5)
+    assert all(key in written for key in keys), [k for k in keys if k not in written]
