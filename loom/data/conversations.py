@@ -60,7 +60,8 @@ def parse_conversation(line: str, where: str, base: Path) -> Conversation:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BadSample(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        # (some of json's messages end in "at" already: "Invalid control character at")
+        raise BadSample(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     return parse_record(record, where, base)
 
 

@@ -95,13 +95,14 @@ class BadSamples:
     found: dict[str, str] = field(default_factory=dict)
 
     def add(self, where: str, why: str) -> None:
-        self.found.setdefault(where, why)
+        """`why` without a leading "where: " (a BadSample's message starts with it; `where` says it once)."""
+        self.found.setdefault(where, why.removeprefix(f"{where}: "))
 
     def __len__(self) -> int:
         return len(self.found)
 
     def summary(self, limit: int = 3) -> str:
-        first = "; ".join(self.found[w] for w in list(self.found)[:limit])
+        first = "; ".join(f"{w}: {self.found[w]}" for w in list(self.found)[:limit])
         return f"{len(self)} bad samples skipped (data.on_bad_sample = \"skip\"), e.g. {first}"
 
     def write(self, path: Path) -> None:
