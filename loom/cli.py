@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from loom.config import ConfigError
+from loom.data.conversations import BadSample
+from loom.exit_codes import CONFIG_ERROR, DATA_ERROR, STALLED
 from loom.job import load_config
 
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(cfg, args)
     except ConfigError as e:
         print(f"loom: config error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     if not launched and cfg.layout.world_size > 1:
         flags = []
         if args.command == "verify":  # the ranks parse the same verify flags
@@ -79,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch_local(n_ranks: int, loom_args: list[str]) -> int:
-    """A config that asks for N ranks, started without a launcher: start N local ranks with torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}",
+    """A config that asks for N ranks, started without a launcher: start N local ranks with torchrun (through
+    loom/launch.py, so a config or data error ends with its own code and rank 0's message alone)."""
+    cmd = [sys.executable, "-m", "loom.launch", "--standalone", f"--nproc-per-node={n_ranks}",
            "-m", "loom", *loom_args]
     print(f"loom: starting {n_ranks} local ranks: torchrun --standalone --nproc-per-node={n_ranks} -m loom "
           f"{' '.join(loom_args)}", file=sys.stderr)
@@ -115,12 +118,28 @@ def _run(args, cfg) -> int:
         return 0
     except CollectiveStalled as e:
         print(e, file=sys.stderr)
-        return 3
+        return STALLED
     except ConfigError as e:
         print(f"loom: config error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
+    except BadSample as e:  # every rank raises the same one (found by all, or agreed on before the step)
+        if os.environ.get("LOOM_TRACEBACK") == "1":
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"loom: data error: {e}", file=sys.stderr, flush=True)
+        _after_rank_0_spoke()
+        return DATA_ERROR
     finally:
         shutdown()
+
+
+def _after_rank_0_spoke() -> None:
+    """Every rank raised the same error; none exits before rank 0 has printed it (torchrun stops the other
+    ranks when the first one exits, which could cut rank 0 off mid-report)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _plan(cfg, args) -> int:
