@@ -19,6 +19,7 @@ so far, so the mixture is a function of the weights alone — every layout and e
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,13 +121,16 @@ class Conversations:
         """The source's name in metrics: its file's (or folder's) stem."""
         return self.path.stem
 
-    def problems(self) -> dict[int, str]:
-        """Every conversation that does not parse or check (a missing file included): index → message. Run
-        before training, so a bad line stops the run before the model is built, not at the step that reads it."""
+    def problems(self, check: Callable[[Conversation, str], object] | None = None) -> dict[int, str]:
+        """Every conversation that does not parse or check (a missing file included), or that `check(conversation,
+        source name)` refuses: index → message. Run before training, so a bad line stops the run before any
+        weight is read, not at the step that reads it."""
         out = {}
         for i in range(len(self)):
             try:
-                self[i]
+                conv = self[i]
+                if check is not None:
+                    check(conv, self.name)
             except BadSample as e:
                 out[i] = str(e)
         return out
