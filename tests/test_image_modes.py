@@ -101,3 +101,14 @@ def test_a_16_bit_greyscale_keeps_its_gradient(tmp_path):
     want = _processor(eight, *x.shape[1:])
     assert torch.allclose(x, want, atol=1e-5), (x - want).abs().max()
     assert (x == x.max()).float().mean() < 0.05  # not saturated
+
+
+def test_the_orientation_is_read_from_the_header_alone(tmp_path):
+    """A truncated PNG's size (and orientation) still reads; only decoding finds it bad — Pillow's getexif()
+    would decode the whole PNG looking for a late eXIf chunk."""
+    Image.fromarray(_rng_pixels(45, 70, 3)).save(tmp_path / "x.png")
+    data = (tmp_path / "x.png").read_bytes()
+    (tmp_path / "x.png").write_bytes(data[: len(data) // 2])
+    media = image_file(tmp_path / "x.png", _rule(tmp_path), "data.jsonl:3")
+    with pytest.raises(ValueError, match=r"data\.jsonl:3: cannot decode image"):
+        media.load()
