@@ -12,6 +12,7 @@ bicubic, 1/255, 0.5 and 0.5 (SigLIP's).
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -70,27 +71,34 @@ def target_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
     return h, w
 
 
-def image_file(path: Path, rule: ImageRule, where: str = "") -> MediaFile:
-    """The image at `path`, its size read from the header alone (Pillow opens lazily); decoded on `load()`."""
+def image_file(source: str | Path | bytes, rule: ImageRule, where: str = "", name: str = "") -> MediaFile:
+    """The image at `source` (a file, or its bytes held in a table: `name` says where), its size read from the
+    header alone (Pillow opens lazily); decoded on `load()`."""
+    label = name or str(source)
     try:
-        with Image.open(path) as img:
+        with Image.open(_opened(source)) as img:
             height, width = upright_size(img)  # a photo stored turned (EXIF) is fed upright
     except (OSError, UnidentifiedImageError) as e:
-        raise BadSample(f"{where + ': ' if where else ''}cannot read image {str(path)!r} ({e})") from None
-    return MediaFile(Path(path), (3, *target_size(height, width, rule)),
-                     functools.partial(load_image, path, rule, where))
+        raise BadSample(f"{where + ': ' if where else ''}cannot read image {label!r} ({e})") from None
+    return MediaFile(label, (3, *target_size(height, width, rule)),
+                     functools.partial(load_image, source, rule, where, name))
 
 
-def load_image(path: str | Path, rule: ImageRule, where: str = "") -> torch.Tensor:
+def load_image(source: str | Path | bytes, rule: ImageRule, where: str = "", name: str = "") -> torch.Tensor:
     """[3, H, W] float32, normalised; an undecodable file is a BadSample naming `where` (file:line) and it."""
     try:
-        with Image.open(path) as img:
+        with Image.open(_opened(source)) as img:
             img = as_rgb(img)
             h, w = target_size(img.height, img.width, rule)
             img = img.resize((w, h), Image.Resampling(rule.resample))
             pixels = np.asarray(img, dtype=np.float32) * np.float32(rule.rescale_factor)
     except (OSError, UnidentifiedImageError) as e:
-        raise BadSample(f"{where + ': ' if where else ''}cannot decode image {str(path)!r} ({e})") from None
+        raise BadSample(f"{where + ': ' if where else ''}cannot decode image {name or str(source)!r} ({e})") from None
     x = torch.from_numpy(pixels).permute(2, 0, 1)
     mean, std = torch.tensor(rule.mean).view(3, 1, 1), torch.tensor(rule.std).view(3, 1, 1)
     return (x - mean) / std
+
+
+def _opened(source: str | Path | bytes):
+    """What Image.open reads: a path, or a file's bytes (a `datasets` Image feature's) as a file object."""
+    return io.BytesIO(source) if isinstance(source, bytes) else source
