@@ -133,13 +133,24 @@ def _run(args, cfg) -> int:
         shutdown()
 
 
-def _after_rank_0_spoke() -> None:
+def _after_rank_0_spoke(wait_s: float = 30.0) -> None:
     """Every rank raised the same error; none exits before rank 0 has printed it (torchrun stops the other
-    ranks when the first one exits, which could cut rank 0 off mid-report)."""
+    ranks when the first one exits, which could cut rank 0 off mid-report). Through the rendezvous store, not a
+    collective, and for `wait_s` at most: a rank that did not raise cannot leave the others hanging."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.barrier()
+    if not dist.is_initialized():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set("loom/error-reported", "1")
+        return
+    try:
+        store.wait(["loom/error-reported"], timedelta(seconds=wait_s))
+    except (RuntimeError, dist.DistError):  # rank 0 did not say it: exit anyway
+        pass
 
 
 def _plan(cfg, args) -> int:
