@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return _plan(cfg, args)
     except ConfigError as e:
+        if _traceback_asked():
+            raise
         print(f"loom: config error: {e}", file=sys.stderr)
         return CONFIG_ERROR
     if not launched and cfg.layout.world_size > 1:
@@ -120,10 +122,12 @@ def _run(args, cfg) -> int:
         print(e, file=sys.stderr)
         return STALLED
     except ConfigError as e:
+        if _traceback_asked():
+            raise
         print(f"loom: config error: {e}", file=sys.stderr)
         return CONFIG_ERROR
     except BadSample as e:  # every rank raises the same one (found by all, or agreed on before the step)
-        if os.environ.get("LOOM_TRACEBACK") == "1":
+        if _traceback_asked():
             raise
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"loom: data error: {e}", file=sys.stderr, flush=True)
@@ -131,6 +135,11 @@ def _run(args, cfg) -> int:
         return DATA_ERROR
     finally:
         shutdown()
+
+
+def _traceback_asked() -> bool:
+    """LOOM_TRACEBACK=1: a config or data error raised with its traceback, not just its message."""
+    return os.environ.get("LOOM_TRACEBACK") == "1"
 
 
 def _after_rank_0_spoke(wait_s: float = 30.0) -> None:

@@ -45,3 +45,11 @@ def test_a_bad_line_is_one_clean_report_and_its_own_exit_code(tmp_path, ranks):
 def test_loom_traceback_shows_where_a_data_error_was_raised(tmp_path):
     out = _loom([*_with_a_bad_line(tmp_path), "--layout.world_size=1"], LOOM_TRACEBACK="1")
     assert out.returncode == 1 and "Traceback" in out.stderr and "BadSample" in out.stderr
+
+
+def test_a_config_error_is_one_line_and_exit_2_its_traceback_when_asked():
+    plain = _loom(["--train.steps=0"])
+    assert plain.returncode == 2 and plain.stderr.startswith("loom: config error: train.steps")
+    assert "Traceback" not in plain.stderr
+    asked = _loom(["--train.steps=0"], LOOM_TRACEBACK="1")
+    assert asked.returncode == 1 and "Traceback" in asked.stderr and "ConfigError: train.steps" in asked.stderr

@@ -112,3 +112,19 @@ def test_the_orientation_is_read_from_the_header_alone(tmp_path):
     media = image_file(tmp_path / "x.png", _rule(tmp_path), "data.jsonl:3")
     with pytest.raises(ValueError, match=r"data\.jsonl:3: cannot decode image"):
         media.load()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"resample": 9}, r"resample = 9 is not a Pillow filter"),
+    ({"rescale_factor": "x"}, r"could not convert string to float"),
+    ({"image_std": [0.5, 0.0, 0.5]}, r"image_std = \[0\.5, 0\.0, 0\.5\]: need three of each, every std > 0"),
+])
+def test_an_unusable_preprocessor_config_is_a_config_error_naming_the_folder(tmp_path, bad, message):
+    from loom.config import ConfigError, read_config
+    from loom.train.job_data import media_rules
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSING, **bad}))
+    cfg = read_config(None, [f"--model.vision.hf={tmp_path}"])
+    named = rf"model\.vision\.hf = '{tmp_path}': .*preprocessor_config\.json: .*{message}"
+    with pytest.raises(ConfigError, match=named):
+        media_rules(cfg)

@@ -27,6 +27,10 @@ from loom.data.image_modes import as_rgb, upright_size
 from loom.data.sample import MediaFile
 
 
+class PreprocessorConfigError(ValueError):
+    """The vision folder's preprocessor_config.json holds a value loom cannot use (the message names it)."""
+
+
 @dataclass(frozen=True)
 class ImageRule:
     patch: int
@@ -40,19 +44,25 @@ class ImageRule:
     @staticmethod
     def of(patch: int, min_pixels: int, max_pixels: int, folder: str | Path | None = None) -> ImageRule:
         """With the preprocessing of `folder`'s preprocessor_config.json, when it has one."""
-        config = Path(folder) / "preprocessor_config.json" if folder else None
-        data = json.loads(config.read_text()) if config is not None and config.is_file() else {}
-        mean, std = tuple(data.get("image_mean", (0.5,) * 3)), tuple(data.get("image_std", (0.5,) * 3))
-        if not data.get("do_normalize", True):
-            mean, std = (0.0,) * 3, (1.0,) * 3
-        factor = float(data.get("rescale_factor", 1 / 255)) if data.get("do_rescale", True) else 1.0
-        resample = int(data.get("resample", Image.Resampling.BICUBIC))
-        if resample not in set(Image.Resampling):
-            raise ValueError(f"{config}: resample = {resample} is not a Pillow filter "
-                             f"({', '.join(f'{r.value} {r.name}' for r in Image.Resampling)})")
         if not patch * patch <= min_pixels <= max_pixels:
             raise ValueError(f"image pixels: need patch² ({patch * patch}) ≤ min_pixels ({min_pixels}) ≤ "
                              f"max_pixels ({max_pixels})")
+        config = Path(folder) / "preprocessor_config.json" if folder else None
+        try:
+            data = json.loads(config.read_text()) if config is not None and config.is_file() else {}
+            mean, std = tuple(data.get("image_mean", (0.5,) * 3)), tuple(data.get("image_std", (0.5,) * 3))
+            if not data.get("do_normalize", True):
+                mean, std = (0.0,) * 3, (1.0,) * 3
+            factor = float(data.get("rescale_factor", 1 / 255)) if data.get("do_rescale", True) else 1.0
+            resample = int(data.get("resample", Image.Resampling.BICUBIC))
+        except (ValueError, TypeError) as e:
+            raise PreprocessorConfigError(f"{config}: {e}") from None
+        if resample not in set(Image.Resampling):
+            raise PreprocessorConfigError(f"{config}: resample = {resample} is not a Pillow filter "
+                                          f"({', '.join(f'{r.value} {r.name}' for r in Image.Resampling)})")
+        if len(mean) != 3 or len(std) != 3 or not all(x > 0 for x in std):
+            raise PreprocessorConfigError(f"{config}: image_mean = {list(mean)}, image_std = {list(std)}: need "
+                                          f"three of each, every std > 0")
         return ImageRule(patch, min_pixels, max_pixels, mean, std, factor, resample)
 
 

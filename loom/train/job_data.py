@@ -19,7 +19,7 @@ from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules
 from loom.data.conversations import BadSample, Conversation
 from loom.data.format import TokenCounter, to_sample
-from loom.data.images import ImageRule
+from loom.data.images import ImageRule, PreprocessorConfigError
 from loom.data.sample import Sample, decoded
 from loom.data.source import (
     BadSamples,
@@ -119,6 +119,8 @@ def media_rules(cfg: JobConfig) -> MediaRules:
     low, high = d.image_min_pixels or p * p, d.image_max_pixels or (v.position_grid * p) ** 2
     try:
         image = ImageRule.of(p, low, high, v.hf or None)
+    except PreprocessorConfigError as e:
+        raise ConfigError(f"model.vision.hf = {v.hf!r}: {e}") from None
     except ValueError as e:
         raise ConfigError(f"data.image_min_pixels / data.image_max_pixels: {e}") from None
     return MediaRules(image, cfg.model.audio.num_features)
