@@ -159,6 +159,13 @@ def test_audio_for_a_model_without_an_audio_encoder_is_found_before_any_weight_i
         _trainer(tmp_path, '--model.encoders=["vision"]')
 
 
+def test_a_clip_longer_than_the_audio_positions_is_found_before_any_weight_is_read(tmp_path, monkeypatch):
+    _no_weight_read(monkeypatch)
+    with pytest.raises(BadSample, match=r"data\.jsonl:\d+: clip 1 gives \d+ frames after subsampling, more than "
+                                        r"model\.audio\.max_positions = 8"):
+        _trainer(tmp_path, "--model.audio.max_positions=8")
+
+
 def test_a_conversation_the_chat_template_refuses_names_its_line(tmp_path, monkeypatch):
     user_data_overrides(tmp_path)  # writes the data and the tokenizer folder
     config = tmp_path / "tok" / "tokenizer_config.json"

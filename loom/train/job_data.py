@@ -101,10 +101,17 @@ def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter],
             ) -> Callable[[Conversation, str], object]:
     """What the prescan asks of every line beyond its own format: everything the tokenizer and the model's config
     can judge — a media item for an encoder the model lacks, a media header that does not read, the chat template
-    refusing it, a placeholder typed into the text, a sample over the token budget. Only pixels and samples are
-    left to decode time."""
+    refusing it, a placeholder typed into the text, a clip longer than the audio encoder's positions, a sample
+    over the token budget. Only pixels and samples are left to decode time."""
+    most = cfg.model.audio.max_positions
+
     def check(conv: Conversation, source: str) -> None:
         sample = rules_sample(conv, source, rules, counters)
+        for k, clip in enumerate(sample.audio):  # else the audio encoder's forward fails mid-run, on its ranks only
+            if counters["audio"](clip) > most:
+                raise BadSample(f"{conv.where}: clip {k + 1} gives {counters['audio'](clip)} frames after "
+                                f"subsampling, more than model.audio.max_positions = {most}; shorten it, or raise "
+                                f"max_positions")
         if multiple is not None:
             fitting([sample], [0], cfg, multiple)  # raises BadSample naming the line (unless too_long = "skip")
 
