@@ -189,7 +189,12 @@ def _eval(checkpoint: str, device: str) -> int:
         metrics, step = evaluate_checkpoint(path, resolve_device(device))
     except (CheckpointError, ConfigError, RuntimeError) as e:
         print(f"loom eval: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
+    except BadSample as e:  # the held-out conversations, read again (they may have changed since the run)
+        if _traceback_asked():
+            raise
+        print(f"loom eval: data error: {e}", file=sys.stderr)
+        return DATA_ERROR
     print(f"{path} (step {step}):")
     print(heldout_report(metrics))
     return 0

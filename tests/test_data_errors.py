@@ -53,3 +53,16 @@ def test_a_config_error_is_one_line_and_exit_2_its_traceback_when_asked():
     assert "Traceback" not in plain.stderr
     asked = _loom(["--train.steps=0"], LOOM_TRACEBACK="1")
     assert asked.returncode == 1 and "Traceback" in asked.stderr and "ConfigError: train.steps" in asked.stderr
+
+
+def test_loom_eval_on_bad_held_out_data_is_a_data_error(tmp_path, monkeypatch, capsys):
+    import loom.cli
+    import loom.train.checkpoint_eval as checkpoint_eval
+    from loom.data.conversations import BadSample
+
+    def bad(*args, **kwargs):
+        raise BadSample("held.jsonl:3: messages[0]: unknown role 'robot'")
+
+    monkeypatch.setattr(checkpoint_eval, "evaluate_checkpoint", bad)
+    assert loom.cli.main(["eval", str(tmp_path)]) == DATA_ERROR
+    assert capsys.readouterr().err == "loom eval: data error: held.jsonl:3: messages[0]: unknown role 'robot'\n"
