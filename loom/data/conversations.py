@@ -40,7 +40,7 @@ class Part:
     # media held in a table row instead of a file (data/table_media.py): a file's bytes, or a waveform and its rate
     data: bytes | None = field(default=None, compare=False, repr=False)
     wave: tuple | None = field(default=None, compare=False, repr=False)  # (samples: np.ndarray, sampling rate)
-    name: str = ""  # how messages name embedded media (it has no path): "file:row N: messages[1].content[0]"
+    name: str = ""  # how messages name embedded media (it has no path): "messages[1].content[0] (embedded)"
 
     @property
     def source(self) -> Path | bytes | tuple:
@@ -124,8 +124,10 @@ def _part(part, where: str, base: Path, media: MediaHook | None) -> Part:
     if not isinstance(part.get("path"), str):
         embedded = media(part, kind, where) if media is not None else None
         if embedded is None:
-            held = f", an \"{kind}\" value or an item of the row's {kind} column" if media is not None else ""
-            raise BadSample(f"{where}: an {kind} part needs a \"path\" string (relative to the JSONL file){held}")
+            if media is None:
+                raise BadSample(f"{where}: an {kind} part needs a \"path\" string (relative to the JSONL file)")
+            raise BadSample(f"{where}: an {kind} part needs a \"path\" string (relative to the table's folder), an "
+                            f"\"{kind}\" value, or an item of the row's {kind} column")
         return embedded
     return file_part(kind, part["path"], where, base)
 
