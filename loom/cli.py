@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from loom.config import ConfigError
+from loom.data.conversations import BadSample
+from loom.exit_codes import CONFIG_ERROR, DATA_ERROR, STALLED
 from loom.job import load_config
 
 
@@ -71,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return _plan(cfg, args)
     except ConfigError as e:
+        if _traceback_asked():
+            raise
         print(f"loom: config error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     if not launched and cfg.layout.world_size > 1:
         flags = []
         if args.command == "verify":  # the ranks parse the same verify flags
@@ -89,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch_local(n_ranks: int, loom_args: list[str]) -> int:
-    """A config that asks for N ranks, started without a launcher: start N local ranks with torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}",
+    """A config that asks for N ranks, started without a launcher: start N local ranks with torchrun (through
+    loom/launch.py, so a config or data error ends with its own code and rank 0's message alone)."""
+    cmd = [sys.executable, "-m", "loom.launch", "--standalone", f"--nproc-per-node={n_ranks}",
            "-m", "loom", *loom_args]
     print(f"loom: starting {n_ranks} local ranks: torchrun --standalone --nproc-per-node={n_ranks} -m loom "
           f"{' '.join(loom_args)}", file=sys.stderr)
@@ -130,12 +135,46 @@ def _run(args, cfg) -> int:
         return 0
     except CollectiveStalled as e:
         print(e, file=sys.stderr)
-        return 3
+        return STALLED
     except ConfigError as e:
+        if _traceback_asked():
+            raise
         print(f"loom: config error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
+    except BadSample as e:  # every rank raises the same one (found by all, or agreed on before the step)
+        if _traceback_asked():
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"loom: data error: {e}", file=sys.stderr, flush=True)
+        _after_rank_0_spoke()
+        return DATA_ERROR
     finally:
         shutdown()
+
+
+def _traceback_asked() -> bool:
+    """LOOM_TRACEBACK=1: a config or data error raised with its traceback, not just its message."""
+    return os.environ.get("LOOM_TRACEBACK") == "1"
+
+
+def _after_rank_0_spoke(wait_s: float = 30.0) -> None:
+    """Every rank raised the same error; none exits before rank 0 has printed it (torchrun stops the other
+    ranks when the first one exits, which could cut rank 0 off mid-report). Through the rendezvous store, not a
+    collective, and for `wait_s` at most: a rank that did not raise cannot leave the others hanging."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set("loom/error-reported", "1")
+        return
+    try:
+        store.wait(["loom/error-reported"], timedelta(seconds=wait_s))
+    except (RuntimeError, dist.DistError):  # rank 0 did not say it: exit anyway
+        pass
 
 
 def _plan(cfg, args) -> int:
@@ -165,7 +204,12 @@ def _eval(checkpoint: str, device: str) -> int:
         metrics, step = evaluate_checkpoint(path, resolve_device(device))
     except (CheckpointError, ConfigError, RuntimeError) as e:
         print(f"loom eval: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
+    except BadSample as e:  # the held-out conversations, read again (they may have changed since the run)
+        if _traceback_asked():
+            raise
+        print(f"loom eval: data error: {e}", file=sys.stderr)
+        return DATA_ERROR
     print(f"{path} (step {step}):")
     print(heldout_report(metrics))
     return 0

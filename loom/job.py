@@ -17,6 +17,7 @@ import importlib.util
 from pathlib import Path
 
 from loom.config import JobConfig, check_combinations, check_values, read_config
+from loom.config_paths import with_config_relative_paths
 from loom.data.checks import check_data
 from loom.data.tokenizer import ByteTokenizer
 from loom.models.checks import check_model
@@ -28,9 +29,10 @@ from loom.typed_config import ConfigError
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
 ) -> JobConfig:
-    """Defaults ← TOML file ← `--a.b=value` overrides, the sizes of modules read from Hugging Face folders,
+    """Defaults ← TOML file ← `--a.b=value` overrides, the file's input paths relative to its folder
+    (config_paths.py), the sizes of modules read from Hugging Face folders,
     then check_config() (layouts too when the world size is known, from the argument or layout.world_size)."""
-    cfg = read_config(path, overrides)
+    cfg = with_config_relative_paths(read_config(path, overrides), path, overrides)
     cfg.model = with_pretrained_sizes(cfg.model)
     check_config(cfg, world_size)
     return cfg

@@ -92,3 +92,13 @@ def test_blend_follows_the_weights_in_a_fixed_order():
 def test_blend_refuses_empty_sources_and_bad_weights(sizes, weights):
     with pytest.raises(ValueError):
         blend(sizes, weights, 5)
+
+
+def test_a_control_character_in_a_string_is_named_once(tmp_path):
+    line = '{"messages": [{"role": "user", "content": "a\tb"}]}'  # a raw tab in a JSON string
+    data = _write(tmp_path, [line])
+    with pytest.raises(BadSample) as e:
+        data[0]
+    assert "Invalid control character" in str(e.value) and " at at " not in str(e.value)
+    column = line.index("\t") + 1  # 1-based, as json counts
+    assert str(e.value).endswith(f"at column {column})")

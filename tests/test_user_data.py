@@ -129,20 +129,56 @@ def test_a_file_that_fails_only_when_decoded_names_its_line(tmp_path):
     assert len(t.data.bad) > 1
 
 
-def test_a_sample_over_the_token_budget_names_its_line(tmp_path):
-    t = _trainer(tmp_path, "--data.tokens_per_microbatch=24")
+def _no_weight_read(monkeypatch) -> None:
+    import loom.train.build as build
+
+    monkeypatch.setattr(build, "initial_weights", lambda *a, **k: pytest.fail("weights read before the data check"))
+
+
+# what the line, the tokenizer and the model's config can judge is found by the prescan, before any weight
+def test_a_sample_over_the_token_budget_names_its_line_before_any_weight_is_read(tmp_path, monkeypatch):
+    _no_weight_read(monkeypatch)
     with pytest.raises(BadSample, match=r"data\.jsonl:\d+: \d+ tokens .* data\.tokens_per_microbatch = 24"):
-        t.train_step()
+        _trainer(tmp_path, "--data.tokens_per_microbatch=24")
 
 
-def test_a_placeholder_typed_into_the_text_names_its_line(tmp_path):
+def test_a_placeholder_typed_into_the_text_names_its_line_before_any_weight_is_read(tmp_path, monkeypatch):
     write_user_data(tmp_path / "data")
     lines = _lines(tmp_path)
     lines[0]["messages"][0]["content"][1]["text"] = "What is <|image_pad|>?"
     _rewrite(tmp_path, lines)
-    t = _trainer(tmp_path, "--data.heldout_size=1", "--train.global_batch_size=31")  # all in step 1
-    with pytest.raises(BadSample, match=r"data\.jsonl:1: more <\|image_pad\|> placeholders than vision items"):
-        t.train_step()
+    _no_weight_read(monkeypatch)
+    with pytest.raises(BadSample, match=r"1 bad conversations:\n  \S*data\.jsonl:1: more <\|image_pad\|> "
+                                        r"placeholders than vision items"):
+        _trainer(tmp_path, "--data.heldout_size=1")
+
+
+def test_audio_for_a_model_without_an_audio_encoder_is_found_before_any_weight_is_read(tmp_path, monkeypatch):
+    _no_weight_read(monkeypatch)
+    with pytest.raises(BadSample, match=r"data\.jsonl:2: has audio items but the model has no audio encoder"):
+        _trainer(tmp_path, '--model.encoders=["vision"]')
+
+
+def test_a_clip_longer_than_the_audio_positions_is_found_before_any_weight_is_read(tmp_path, monkeypatch):
+    _no_weight_read(monkeypatch)
+    with pytest.raises(BadSample, match=r"data\.jsonl:\d+: clip 1 gives \d+ frames after subsampling, more than "
+                                        r"model\.audio\.max_positions = 8"):
+        _trainer(tmp_path, "--model.audio.max_positions=8")
+
+
+def test_a_conversation_the_chat_template_refuses_names_its_line(tmp_path, monkeypatch):
+    user_data_overrides(tmp_path)  # writes the data and the tokenizer folder
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+    config.write_text(json.dumps({**json.loads(config.read_text()),
+                                  "chat_template": refusing + json.loads(config.read_text())["chat_template"]}))
+    lines = _lines(tmp_path)
+    lines[6]["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    _rewrite(tmp_path, lines)
+    _no_weight_read(monkeypatch)
+    with pytest.raises(BadSample, match=r"data\.jsonl:7: the chat template refuses this conversation "
+                                        r"\(chat template: no system turns\)"):
+        _trainer(tmp_path)
 
 
 def test_every_rank_stops_on_a_file_only_one_of_them_decodes(worlds, tmp_path_factory):

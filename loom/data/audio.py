@@ -11,6 +11,7 @@ floored at 8 below the clip's maximum, then (x + 4) / 4. No padding to 30 s: loo
 from __future__ import annotations
 
 import functools
+import io
 import math
 from fractions import Fraction
 from pathlib import Path
@@ -60,36 +61,52 @@ def log_mel(waveform: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
     return ((logs + 4.0) / 4.0).to(torch.float32)
 
 
-def audio_file(path: Path, n_mels: int, where: str = "") -> MediaFile:
-    """The clip at `path` as log-mel features, its frame count read from the header alone (the length after
-    resampling to 16 kHz, one frame per hop); decoded on `load()`."""
+def audio_file(source: str | Path | bytes | tuple, n_mels: int, where: str = "", name: str = "") -> MediaFile:
+    """The clip at `source` as log-mel features — a file, its bytes, or (waveform, rate) held in a table row
+    (`name` says where) — its frame count read from the header alone (the length after resampling to 16 kHz,
+    one frame per hop); decoded on `load()`."""
     import soundfile
 
-    try:
-        info = soundfile.info(str(path))
-    except (RuntimeError, OSError, soundfile.LibsndfileError) as e:
-        raise BadSample(f"{where + ': ' if where else ''}cannot read audio {str(path)!r} ({e})") from None
-    ratio = Fraction(SAMPLE_RATE, info.samplerate)
-    samples = -(-info.frames * ratio.numerator // ratio.denominator)  # resample_poly's output length
-    return MediaFile(Path(path), (n_mels, samples // HOP), functools.partial(_features, path, n_mels, where))
+    label = name or str(source)
+    if isinstance(source, tuple):
+        frames, rate = source[0].shape[-1], source[1]
+    else:
+        try:
+            info = soundfile.info(_opened(source))
+        except (RuntimeError, OSError, soundfile.LibsndfileError) as e:
+            raise BadSample(f"{where + ': ' if where else ''}cannot read audio {label!r} ({e})") from None
+        frames, rate = info.frames, info.samplerate
+    ratio = Fraction(SAMPLE_RATE, rate)
+    samples = -(-frames * ratio.numerator // ratio.denominator)  # resample_poly's output length
+    return MediaFile(label, (n_mels, samples // HOP), functools.partial(_features, source, n_mels, where, name))
 
 
-def _features(path: Path, n_mels: int, where: str) -> torch.Tensor:
-    return log_mel(load_audio(path, where), n_mels)
+def _features(source, n_mels: int, where: str, name: str) -> torch.Tensor:
+    return log_mel(load_audio(source, where, name), n_mels)
 
 
-def load_audio(path: str | Path, where: str = "") -> torch.Tensor:
+def load_audio(source: str | Path | bytes | tuple, where: str = "", name: str = "") -> torch.Tensor:
     """[samples] float32 at 16 kHz, the channels averaged; an undecodable file is a BadSample naming `where`
-    (file:line) and the file."""
+    (file:line) and the file. `source`: a file, its bytes, or (waveform [samples] or [channels, samples], rate)."""
     import soundfile
     from scipy.signal import resample_poly
 
-    try:
-        data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
-    except (RuntimeError, OSError, soundfile.LibsndfileError) as e:
-        raise BadSample(f"{where + ': ' if where else ''}cannot decode audio {str(path)!r} ({e})") from None
-    wave = data.mean(axis=1)
+    if isinstance(source, tuple):
+        data, rate = source
+        wave = data.mean(axis=0) if data.ndim == 2 else data
+    else:
+        try:
+            data, rate = soundfile.read(_opened(source), dtype="float32", always_2d=True)
+        except (RuntimeError, OSError, soundfile.LibsndfileError) as e:
+            raise BadSample(f"{where + ': ' if where else ''}cannot decode audio {name or str(source)!r} "
+                            f"({e})") from None
+        wave = data.mean(axis=1)
     if rate != SAMPLE_RATE:
         ratio = Fraction(SAMPLE_RATE, rate)
-        wave = resample_poly(wave, ratio.numerator, ratio.denominator).astype(np.float32)
-    return torch.from_numpy(np.ascontiguousarray(wave))
+        wave = resample_poly(wave, ratio.numerator, ratio.denominator)
+    return torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
+
+
+def _opened(source: str | Path | bytes):
+    """What soundfile reads: a path (as a string), or a file's bytes (a `datasets` Audio feature's)."""
+    return io.BytesIO(source) if isinstance(source, bytes) else str(source)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
@@ -76,6 +77,15 @@ class ChatTokenizer:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     **self.specials)
 
+    def _render(self, conv: Conversation, messages: list[dict], add_generation_prompt: bool) -> str:
+        """render(), a template that refuses the conversation (raise_exception, a jinja error) a BadSample."""
+        try:
+            return self.render(messages, add_generation_prompt)
+        except BadSample:
+            raise
+        except (TemplateError, ValueError, TypeError) as e:
+            raise BadSample(f"{conv.where}: the chat template refuses this conversation ({e})") from None
+
     def messages(self, conv: Conversation) -> list[dict]:
         """The conversation as the template reads it: each turn's text, media as placeholder tokens."""
         def text(p) -> str:
@@ -89,13 +99,13 @@ class ChatTokenizer:
         token); `rows[module][i]`: how many rows that encoder emits for its i-th item of the conversation, each
         item's placeholder repeated that many times."""
         messages = self.messages(conv)
-        text = self.render(messages, add_generation_prompt=False)
+        text = self._render(conv, messages, add_generation_prompt=False)
         spans = []
         for k, turn in enumerate(messages):
             if turn["role"] != "assistant":
                 continue
-            before = self.render(messages[:k], add_generation_prompt=True)
-            upto = self.render(messages[: k + 1], add_generation_prompt=False)
+            before = self._render(conv, messages[:k], add_generation_prompt=True)
+            upto = self._render(conv, messages[: k + 1], add_generation_prompt=False)
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise BadSample(f"{conv.where}: the chat template does not render this conversation turn by "
                                 f"turn (turn {k} changes the text before it), so the assistant's tokens cannot "

@@ -24,10 +24,10 @@ def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRul
     """`counters`: encoder name → rows it emits for an item (a model without that encoder has none: an item
     for it is a BadSample). Media stay files (MediaFile): only their headers are read here."""
     for kind, module in MODULE_OF.items():
-        if conv.media(kind) and module not in counters:
+        if conv.items(kind) and module not in counters:
             raise BadSample(f"{conv.where}: has {kind} items but the model has no {module} encoder")
-    images = [image_file(p, rules.image, conv.where) for p in conv.media("image")]
-    clips = [audio_file(p, rules.n_mels, conv.where) for p in conv.media("audio")]
+    images = [image_file(p.source, rules.image, conv.where, p.name) for p in conv.items("image")]
+    clips = [audio_file(p.source, rules.n_mels, conv.where, p.name) for p in conv.items("audio")]
     rows = {module: [counters[module](x) for x in items] for module, items in (("vision", images), ("audio", clips))
             if items}
     ids, targets = chat.encode(conv, rows, train_on)

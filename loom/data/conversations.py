@@ -19,7 +19,8 @@ so far, so the mixture is a function of the weights alone — every layout and e
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROLES = ("system", "user", "assistant")
@@ -36,6 +37,15 @@ class Part:
     kind: str  # "text", "image" or "audio"
     text: str = ""  # a text part's text
     path: Path | None = None  # an image's or a clip's file, resolved against the JSONL's folder
+    # media held in a table row instead of a file (data/table_media.py): a file's bytes, or a waveform and its rate
+    data: bytes | None = field(default=None, compare=False, repr=False)
+    wave: tuple | None = field(default=None, compare=False, repr=False)  # (samples: np.ndarray, sampling rate)
+    name: str = ""  # how messages name embedded media (it has no path): "messages[1].content[0] (embedded)"
+
+    @property
+    def source(self) -> Path | bytes | tuple:
+        """What the decoders read: the file, its bytes, or (waveform, rate)."""
+        return self.path if self.path is not None else self.data if self.data is not None else self.wave
 
 
 @dataclass(frozen=True)
@@ -54,22 +64,32 @@ class Conversation:
         """The files of one kind ("image" or "audio") in conversation order."""
         return [p.path for t in self.turns for p in t.parts if p.kind == kind]
 
+    def items(self, kind: str) -> list[Part]:
+        """The parts of one kind ("image" or "audio") in conversation order, files or embedded."""
+        return [p for t in self.turns for p in t.parts if p.kind == kind]
+
+
+# a table's hook for media parts without a "path" (data/table_media.py): (part, kind, where) → Part, or None
+MediaHook = Callable[[dict, str, str], "Part | None"]
+
 
 def parse_conversation(line: str, where: str, base: Path) -> Conversation:
     """One JSONL line → a checked Conversation; raises BadSample naming `where` and the problem."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BadSample(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        # (some of json's messages end in "at" already: "Invalid control character at")
+        raise BadSample(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     return parse_record(record, where, base)
 
 
-def parse_record(record, where: str, base: Path) -> Conversation:
-    """One conversation as an object (a JSONL line's, or a table row's) → a checked Conversation."""
+def parse_record(record, where: str, base: Path, media: MediaHook | None = None) -> Conversation:
+    """One conversation as an object (a JSONL line's, or a table row's) → a checked Conversation; `media`
+    resolves a media part that has no "path" (a table's embedded images and clips)."""
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise BadSample(f"{where}: a line must be an object with a non-empty \"messages\" list")
-    turns = tuple(_turn(m, f"{where}: messages[{i}]", base) for i, m in enumerate(messages))
+    turns = tuple(_turn(m, f"{where}: messages[{i}]", base, media) for i, m in enumerate(messages))
     if not any(t.role == "assistant" and t.parts for t in turns):
         raise BadSample(f"{where}: no assistant turn: nothing to learn from this conversation")
     task = record.get("task")
@@ -78,7 +98,7 @@ def parse_record(record, where: str, base: Path) -> Conversation:
     return Conversation(turns, where, task)
 
 
-def _turn(message, where: str, base: Path) -> Turn:
+def _turn(message, where: str, base: Path, media: MediaHook | None) -> Turn:
     if not isinstance(message, dict):
         raise BadSample(f"{where}: a message must be an object with \"role\" and \"content\"")
     role = message.get("role")
@@ -89,10 +109,10 @@ def _turn(message, where: str, base: Path) -> Turn:
         return Turn(role, (Part("text", text=content),))
     if not isinstance(content, list):
         raise BadSample(f"{where}: \"content\" must be a string or a list of parts")
-    return Turn(role, tuple(_part(p, f"{where}.content[{j}]", base) for j, p in enumerate(content)))
+    return Turn(role, tuple(_part(p, f"{where}.content[{j}]", base, media) for j, p in enumerate(content)))
 
 
-def _part(part, where: str, base: Path) -> Part:
+def _part(part, where: str, base: Path, media: MediaHook | None) -> Part:
     kind = part.get("type") if isinstance(part, dict) else None
     # (a table row's parts carry every field of the column's struct, the unused ones None)
     if kind not in KINDS:
@@ -102,11 +122,22 @@ def _part(part, where: str, base: Path) -> Part:
             raise BadSample(f"{where}: a text part needs a \"text\" string")
         return Part("text", text=part["text"])
     if not isinstance(part.get("path"), str):
-        raise BadSample(f"{where}: an {kind} part needs a \"path\" string (relative to the JSONL file)")
-    path = (base / part["path"]).resolve()
-    if not path.is_file():
-        raise BadSample(f"{where}: {kind} file {part['path']!r} not found (looked at {path})")
-    return Part(kind, path=path)
+        embedded = media(part, kind, where) if media is not None else None
+        if embedded is None:
+            if media is None:
+                raise BadSample(f"{where}: an {kind} part needs a \"path\" string (relative to the JSONL file)")
+            raise BadSample(f"{where}: an {kind} part needs a \"path\" string (relative to the table's folder), an "
+                            f"\"{kind}\" value, or an item of the row's {kind} column")
+        return embedded
+    return file_part(kind, part["path"], where, base)
+
+
+def file_part(kind: str, path: str, where: str, base: Path) -> Part:
+    """An image or clip in a file, `path` relative to `base`; a missing file is a BadSample naming `where`."""
+    resolved = (base / path).resolve()
+    if not resolved.is_file():
+        raise BadSample(f"{where}: {kind} file {path!r} not found (looked at {resolved})")
+    return Part(kind, path=resolved)
 
 
 class Conversations:
@@ -119,13 +150,16 @@ class Conversations:
         """The source's name in metrics: its file's (or folder's) stem."""
         return self.path.stem
 
-    def problems(self) -> dict[int, str]:
-        """Every conversation that does not parse or check (a missing file included): index → message. Run
-        before training, so a bad line stops the run before the model is built, not at the step that reads it."""
+    def problems(self, check: Callable[[Conversation, str], object] | None = None) -> dict[int, str]:
+        """Every conversation that does not parse or check (a missing file included), or that `check(conversation,
+        source name)` refuses: index → message. Run before training, so a bad line stops the run before any
+        weight is read, not at the step that reads it."""
         out = {}
         for i in range(len(self)):
             try:
-                self[i]
+                conv = self[i]
+                if check is not None:
+                    check(conv, self.name)
             except BadSample as e:
                 out[i] = str(e)
         return out

@@ -2,13 +2,17 @@
 
 The size keeps the aspect ratio: each side is rounded to a multiple of the patch size, and the whole image is
 scaled down (or up) until its pixel count lies within [min_pixels, max_pixels] — the rule Qwen2-VL's
-processor uses, so an image costs tokens in proportion to its area and no image is padded. Mean and std come
-from the encoder folder's `preprocessor_config.json` when there is one (SigLIP: 0.5, 0.5), else 0.5.
+processor uses, so an image costs tokens in proportion to its area and no image is padded. The picture is
+first made upright 8-bit RGB as transformers' `load_image` / `convert_to_rgb` make it (image_modes.py); the
+resampling filter, rescale factor, mean and std come from the encoder folder's `preprocessor_config.json` when
+there is one (`resample`, `rescale_factor`, `image_mean`, `image_std`, `do_rescale`, `do_normalize`), else
+bicubic, 1/255, 0.5 and 0.5 (SigLIP's).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -19,7 +23,12 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from loom.data.conversations import BadSample
+from loom.data.image_modes import as_rgb, upright_size
 from loom.data.sample import MediaFile
+
+
+class PreprocessorConfigError(ValueError):
+    """The vision folder's preprocessor_config.json holds a value loom cannot use (the message names it)."""
 
 
 @dataclass(frozen=True)
@@ -29,19 +38,32 @@ class ImageRule:
     max_pixels: int
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    resample: int = Image.Resampling.BICUBIC  # a Pillow filter, as preprocessor_config.json's "resample" holds
 
     @staticmethod
     def of(patch: int, min_pixels: int, max_pixels: int, folder: str | Path | None = None) -> ImageRule:
-        """With the mean and std of `folder`'s preprocessor_config.json, when it has one."""
-        mean = std = (0.5, 0.5, 0.5)
-        config = Path(folder) / "preprocessor_config.json" if folder else None
-        if config is not None and config.is_file():
-            data = json.loads(config.read_text())
-            mean, std = tuple(data.get("image_mean", mean)), tuple(data.get("image_std", std))
+        """With the preprocessing of `folder`'s preprocessor_config.json, when it has one."""
         if not patch * patch <= min_pixels <= max_pixels:
             raise ValueError(f"image pixels: need patch² ({patch * patch}) ≤ min_pixels ({min_pixels}) ≤ "
                              f"max_pixels ({max_pixels})")
-        return ImageRule(patch, min_pixels, max_pixels, mean, std)
+        config = Path(folder) / "preprocessor_config.json" if folder else None
+        try:
+            data = json.loads(config.read_text()) if config is not None and config.is_file() else {}
+            mean, std = tuple(data.get("image_mean", (0.5,) * 3)), tuple(data.get("image_std", (0.5,) * 3))
+            if not data.get("do_normalize", True):
+                mean, std = (0.0,) * 3, (1.0,) * 3
+            factor = float(data.get("rescale_factor", 1 / 255)) if data.get("do_rescale", True) else 1.0
+            resample = int(data.get("resample", Image.Resampling.BICUBIC))
+        except (ValueError, TypeError) as e:
+            raise PreprocessorConfigError(f"{config}: {e}") from None
+        if resample not in set(Image.Resampling):
+            raise PreprocessorConfigError(f"{config}: resample = {resample} is not a Pillow filter "
+                                          f"({', '.join(f'{r.value} {r.name}' for r in Image.Resampling)})")
+        if len(mean) != 3 or len(std) != 3 or not all(x > 0 for x in std):
+            raise PreprocessorConfigError(f"{config}: image_mean = {list(mean)}, image_std = {list(std)}: need "
+                                          f"three of each, every std > 0")
+        return ImageRule(patch, min_pixels, max_pixels, mean, std, factor, resample)
 
 
 def target_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
@@ -59,27 +81,34 @@ def target_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
     return h, w
 
 
-def image_file(path: Path, rule: ImageRule, where: str = "") -> MediaFile:
-    """The image at `path`, its size read from the header alone (Pillow opens lazily); decoded on `load()`."""
+def image_file(source: str | Path | bytes, rule: ImageRule, where: str = "", name: str = "") -> MediaFile:
+    """The image at `source` (a file, or its bytes held in a table: `name` says where), its size read from the
+    header alone (Pillow opens lazily); decoded on `load()`."""
+    label = name or str(source)
     try:
-        with Image.open(path) as img:
-            height, width = img.height, img.width
+        with Image.open(_opened(source)) as img:
+            height, width = upright_size(img)  # a photo stored turned (EXIF) is fed upright
     except (OSError, UnidentifiedImageError) as e:
-        raise BadSample(f"{where + ': ' if where else ''}cannot read image {str(path)!r} ({e})") from None
-    return MediaFile(Path(path), (3, *target_size(height, width, rule)),
-                     functools.partial(load_image, path, rule, where))
+        raise BadSample(f"{where + ': ' if where else ''}cannot read image {label!r} ({e})") from None
+    return MediaFile(label, (3, *target_size(height, width, rule)),
+                     functools.partial(load_image, source, rule, where, name))
 
 
-def load_image(path: str | Path, rule: ImageRule, where: str = "") -> torch.Tensor:
+def load_image(source: str | Path | bytes, rule: ImageRule, where: str = "", name: str = "") -> torch.Tensor:
     """[3, H, W] float32, normalised; an undecodable file is a BadSample naming `where` (file:line) and it."""
     try:
-        with Image.open(path) as img:
-            img = img.convert("RGB")
+        with Image.open(_opened(source)) as img:
+            img = as_rgb(img)
             h, w = target_size(img.height, img.width, rule)
-            img = img.resize((w, h), Image.Resampling.BICUBIC)
-            pixels = np.asarray(img, dtype=np.float32) / 255.0
+            img = img.resize((w, h), Image.Resampling(rule.resample))
+            pixels = np.asarray(img, dtype=np.float32) * np.float32(rule.rescale_factor)
     except (OSError, UnidentifiedImageError) as e:
-        raise BadSample(f"{where + ': ' if where else ''}cannot decode image {str(path)!r} ({e})") from None
+        raise BadSample(f"{where + ': ' if where else ''}cannot decode image {name or str(source)!r} ({e})") from None
     x = torch.from_numpy(pixels).permute(2, 0, 1)
     mean, std = torch.tensor(rule.mean).view(3, 1, 1), torch.tensor(rule.std).view(3, 1, 1)
     return (x - mean) / std
+
+
+def _opened(source: str | Path | bytes):
+    """What Image.open reads: a path, or a file's bytes (a `datasets` Image feature's) as a file object."""
+    return io.BytesIO(source) if isinstance(source, bytes) else source

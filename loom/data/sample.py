@@ -26,7 +26,7 @@ class MediaFile:
     token counts need, so every rank can plan a whole global batch while decoding only the items its encoder
     replicas take (`load`)."""
 
-    path: Path
+    path: Path | str  # the file, or how an item embedded in a table row is named
     shape: tuple[int, ...]  # of the tensor `decode` returns
     decode: Callable[[], torch.Tensor]
 

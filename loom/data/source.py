@@ -10,12 +10,13 @@ only as far as their headers) and the few found bad only when decoding are agree
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules, conversation_sample
-from loom.data.conversations import BadSample, ConversationFile, blend
+from loom.data.conversations import BadSample, Conversation, ConversationFile, blend
 from loom.data.tables import TableConversations, is_table
 from loom.data.format import TokenCounter, to_sample
 from loom.data.sample import Sample
@@ -73,8 +74,13 @@ class ConversationSamples:
 
     def __getitem__(self, i: int) -> Sample:
         f, k = self.positions[i]
-        r = self.rules
-        return conversation_sample(self.files[f][k], r.chat, r.media, self.counters, self.files[f].name, r.train_on)
+        return rules_sample(self.files[f][k], self.files[f].name, self.rules, self.counters)
+
+
+def rules_sample(conv: Conversation, source: str, rules: ChatRules, counters: dict[str, TokenCounter]) -> Sample:
+    """One conversation of the source named `source` as a sample (media as headers only): what a step draws,
+    and what the prescan builds for every line."""
+    return conversation_sample(conv, rules.chat, rules.media, counters, source, rules.train_on)
 
 
 def split_off(files: list[ConversationFile], weights: list[float], n: int
@@ -95,13 +101,14 @@ class BadSamples:
     found: dict[str, str] = field(default_factory=dict)
 
     def add(self, where: str, why: str) -> None:
-        self.found.setdefault(where, why)
+        """`why` without a leading "where: " (a BadSample's message starts with it; `where` says it once)."""
+        self.found.setdefault(where, why.removeprefix(f"{where}: "))
 
     def __len__(self) -> int:
         return len(self.found)
 
     def summary(self, limit: int = 3) -> str:
-        first = "; ".join(self.found[w] for w in list(self.found)[:limit])
+        first = "; ".join(f"{w}: {self.found[w]}" for w in list(self.found)[:limit])
         return f"{len(self)} bad samples skipped (data.on_bad_sample = \"skip\"), e.g. {first}"
 
     def write(self, path: Path) -> None:
@@ -110,10 +117,12 @@ class BadSamples:
         path.write_text("".join(json.dumps({"where": w, "why": m}) + "\n" for w, m in self.found.items()))
 
 
-def checked(files: list[ConversationFile], on_bad: str, bad: BadSamples) -> list[ConversationFile]:
-    """Every line of every file parsed and checked before anything is built: on error, one BadSample listing
-    the first few problems and their count; on skip, the files without those lines (each recorded)."""
-    problems = {f.path: f.problems() for f in files}
+def checked(files: list[ConversationFile], on_bad: str, bad: BadSamples,
+            check: Callable[[Conversation, str], object] | None = None) -> list[ConversationFile]:
+    """Every line of every file parsed and checked (and passed through `check(conversation, source name)`, which
+    raises BadSample) before any weight is read: on error, one BadSample listing the first few problems and
+    their count; on skip, the files without those lines (each recorded)."""
+    problems = {f.path: f.problems(check) for f in files}
     messages = [m for p in problems.values() for m in p.values()]
     if messages and on_bad == "error":
         more = f" (and {len(messages) - 5} more)" if len(messages) > 5 else ""

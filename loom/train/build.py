@@ -61,21 +61,21 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
     cfg = with_vocabulary(cfg, tok)  # the placeholders a pretrained tokenizer lacked get embedding rows
     model = build_job_model(cfg, tok)  # on meta until setup_parallel gives this rank its shards
     counters = token_counters(model)
-    data = build_job_data(cfg, tok, counters)
+    # the placement and the LLM's sample multiple, resolved once here and passed down (the prescan needs it)
+    placement = resolve_placement(cfg, dist.get_world_size()) if dist.is_initialized() else None
+    multiple = sample_multiple(placement.layouts["language"], cfg) if placement else cfg.data.pad_to_multiple
+    data = build_job_data(cfg, tok, counters, multiple)
     weights = weights or initial_weights(model, cfg, pretrained)
     try:
+        aliases = tied_aliases(model)
+        names = set(model.state_dict()) - set(aliases)
+        weights.check_holds(names)  # before any is read
         whole = None
         if reference:
             whole = build_job_model(cfg, tok)
             materialize(whole, device, weights)
-        # the placement and the LLM's sample multiple, resolved once here and passed down
-        placement = resolve_placement(cfg, dist.get_world_size()) if dist.is_initialized() else None
-        multiple = sample_multiple(placement.layouts["language"], cfg) if placement else cfg.data.pad_to_multiple
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
         cfg = with_padded_length(cfg, data.longest, multiple)
-        aliases = tied_aliases(model)
-        names = set(model.state_dict()) - set(aliases)
-        weights.check_holds(names)  # before any is read
         n_params = sum(p.numel() for p in model.parameters())
         plan = setup_parallel(model, cfg, device, weights, placement)
     finally:

@@ -10,16 +10,16 @@ held-out conversations are `data.heldout`'s, or the last `data.heldout_size` spl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loom.config import ConfigError, JobConfig
 from loom.data.batch import round_up
 from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules
-from loom.data.conversations import BadSample
+from loom.data.conversations import BadSample, Conversation
 from loom.data.format import TokenCounter, to_sample
-from loom.data.images import ImageRule
+from loom.data.images import ImageRule, PreprocessorConfigError
 from loom.data.sample import Sample, decoded
 from loom.data.source import (
     BadSamples,
@@ -28,10 +28,12 @@ from loom.data.source import (
     TaskSamples,
     checked,
     conversation_source,
+    rules_sample,
     split_off,
 )
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
+from loom.train.inputs import fitting
 
 VOCAB_MULTIPLE = 64  # a grown vocabulary is rounded up to this, so tensor parallelism still divides it
 
@@ -66,8 +68,11 @@ class JobData:
     bad: BadSamples = field(default_factory=BadSamples)
 
 
-def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCounter]) -> JobData:
-    """`counters`: encoder → rows it emits for an item (the model's, built on meta)."""
+def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCounter],
+                   multiple: int | None = None) -> JobData:
+    """`counters`: encoder → rows it emits for an item (the model's, built on meta); `multiple`: the LLM's
+    sample multiple under the job's layout, when known — the prescan then also refuses a sample over the token
+    budget (unless data.too_long = "skip")."""
     d = cfg.data
     if not d.sources:
         sizes = dict(patch_size=cfg.model.vision.patch_size, n_audio_features=cfg.model.audio.num_features)
@@ -77,18 +82,40 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
         return JobData(tok, TaskSamples(train, tok, counters), [heldout[i] for i in range(len(heldout))], longest)
     bad = BadSamples()
     weights = [s.weight for s in d.sources]
-    files = checked([conversation_source(s.path) for s in d.sources], d.on_bad_sample, bad)
+    rules = ChatRules(tok, media_rules(cfg), d.train_on)
+    check = prescan(cfg, rules, counters, multiple)
+    files = checked([conversation_source(s.path) for s in d.sources], d.on_bad_sample, bad, check)
     if d.heldout:
-        held = checked([conversation_source(d.heldout)], d.on_bad_sample, bad)
+        held = checked([conversation_source(d.heldout)], d.on_bad_sample, bad, check)
     else:
         files, held = split_off(files, weights, d.heldout_size)
-    rules = ChatRules(tok, media_rules(cfg), d.train_on)
     train = ConversationSamples.mixture(files, weights, rules, counters)
     if cfg.train.global_batch_size > len(train):
         raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds the {len(train)} "
                           f"training conversations of data.sources")
     heldout = ConversationSamples.mixture(held, [1.0] * len(held), rules, counters) if held else []
     return JobData(tok, train, _loaded(heldout, d.on_bad_sample, bad), {}, bad)
+
+
+def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter], multiple: int | None
+            ) -> Callable[[Conversation, str], object]:
+    """What the prescan asks of every line beyond its own format: everything the tokenizer and the model's config
+    can judge — a media item for an encoder the model lacks, a media header that does not read, the chat template
+    refusing it, a placeholder typed into the text, a clip longer than the audio encoder's positions, a sample
+    over the token budget. Only pixels and samples are left to decode time."""
+    most = cfg.model.audio.max_positions
+
+    def check(conv: Conversation, source: str) -> None:
+        sample = rules_sample(conv, source, rules, counters)
+        for k, clip in enumerate(sample.audio):  # else the audio encoder's forward fails mid-run, on its ranks only
+            if counters["audio"](clip) > most:
+                raise BadSample(f"{conv.where}: clip {k + 1} gives {counters['audio'](clip)} frames after "
+                                f"subsampling, more than model.audio.max_positions = {most}; shorten it, or raise "
+                                f"max_positions")
+        if multiple is not None:
+            fitting([sample], [0], cfg, multiple)  # raises BadSample naming the line (unless too_long = "skip")
+
+    return check
 
 
 def media_rules(cfg: JobConfig) -> MediaRules:
@@ -99,6 +126,8 @@ def media_rules(cfg: JobConfig) -> MediaRules:
     low, high = d.image_min_pixels or p * p, d.image_max_pixels or (v.position_grid * p) ** 2
     try:
         image = ImageRule.of(p, low, high, v.hf or None)
+    except PreprocessorConfigError as e:
+        raise ConfigError(f"model.vision.hf = {v.hf!r}: {e}") from None
     except ValueError as e:
         raise ConfigError(f"data.image_min_pixels / data.image_max_pixels: {e}") from None
     return MediaRules(image, cfg.model.audio.num_features)

@@ -81,7 +81,8 @@ class MetricsLogger:
             self._bar = None
 
     def print(self, text: str) -> None:
-        self.console.print(text, highlight=False, markup=False)
+        # soft_wrap: a log that is not a terminal gets whole lines (a path is not broken at column 80)
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def close(self) -> None:
         self.finish_progress()
