@@ -31,4 +31,33 @@ def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRul
     rows = {module: [counters[module](x) for x in items] for module, items in (("vision", images), ("audio", clips))
             if items}
     ids, targets = chat.encode(conv, rows, train_on)
-    return Sample(ids, targets, images, clips, conv.task or task, conv.where)
+    fields = {}
+    if conv.rl:  # an RL line: only the completion (the last assistant turn) is trained
+        targets, fields = completion_fields(conv, targets)
+    return Sample(ids, targets, images, clips, conv.task or task, conv.where, fields)
+
+
+def completion_fields(conv: Conversation, targets: list[bool]) -> tuple[list[bool], dict[str, list[float]]]:
+    """The targets of the last assistant turn alone (its tokens are the last run of targets), and the line's
+    RL values as token fields aligned with the labels: a completion token's value sits at the position before
+    it, where its label is (Sample.token_fields)."""
+    last = max((i for i, t in enumerate(targets) if t), default=-1)
+    first = last
+    while first > 0 and targets[first - 1]:
+        first -= 1
+    kept = [first <= i <= last for i in range(len(targets))]
+    positions = [i - 1 for i in range(first, last + 1) if i > 0]  # label positions of the completion's tokens
+    fields: dict[str, list[float]] = {}
+    for name, value in conv.rl.items():
+        column = [0.0] * len(targets)
+        if isinstance(value, float):  # the advantage: every completion token's
+            for i in positions:
+                column[i] = value
+        else:
+            if len(value) != len(positions):
+                raise BadSample(f"{conv.where}: \"{name}\" has {len(value)} values, but the completion (the last "
+                                f"assistant turn) is {len(positions)} tokens under this tokenizer and template")
+            for i, v in zip(positions, value):
+                column[i] = v
+        fields[name] = column
+    return kept, fields

@@ -19,6 +19,7 @@ so far, so the mixture is a function of the weights alone — every layout and e
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,9 @@ class Conversation:
     turns: tuple[Turn, ...]
     where: str  # "file:line", for every later message about this sample
     task: str | None = None  # the line's optional "task": its group in held-out metrics (else the file's stem)
+    # RL's per-line values for the completion (the last assistant turn): "advantage" (a number), "logprobs" and
+    # "ref_logprobs" (one per completion token)
+    rl: dict[str, float | tuple[float, ...]] = field(default_factory=dict)
 
     def media(self, kind: str) -> list[Path]:
         """The files of one kind ("image" or "audio") in conversation order."""
@@ -95,7 +99,30 @@ def parse_record(record, where: str, base: Path, media: MediaHook | None = None)
     task = record.get("task")
     if task is not None and (not isinstance(task, str) or not task):
         raise BadSample(f"{where}: \"task\" must be a non-empty string (it names the sample's group in metrics)")
-    return Conversation(turns, where, task)
+    return Conversation(turns, where, task, _rl_values(record, where))
+
+
+RL_VALUES = ("advantage", "logprobs", "ref_logprobs")
+
+
+def _rl_values(record: dict, where: str) -> dict[str, float | tuple[float, ...]]:
+    """The line's RL values, checked: a finite advantage; logprobs lists of finite numbers ≤ 0."""
+    out: dict[str, float | tuple[float, ...]] = {}
+    if "advantage" in record:
+        a = record["advantage"]
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+            raise BadSample(f"{where}: \"advantage\" must be a finite number, not {a!r}")
+        out["advantage"] = float(a)
+    for name in RL_VALUES[1:]:
+        if name in record:
+            values = record[name]
+            if not isinstance(values, list) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= 0
+                    for v in values):
+                raise BadSample(f"{where}: \"{name}\" must be a list of finite log-probabilities (numbers ≤ 0), "
+                                f"one per completion token")
+            out[name] = tuple(float(v) for v in values)
+    return out
 
 
 def _turn(message, where: str, base: Path, media: MediaHook | None) -> Turn:

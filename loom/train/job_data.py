@@ -104,8 +104,17 @@ def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter],
     refusing it, a placeholder typed into the text, a clip longer than the audio encoder's positions, a sample
     over the token budget. Only pixels and samples are left to decode time."""
     most = cfg.model.audio.max_positions
+    seen: dict[str, tuple[bool, str]] = {}  # an optional RL value → (given, where) on the first line checked
 
     def check(conv: Conversation, source: str) -> None:
+        if cfg.train.objective == "grpo" and "advantage" not in conv.rl:
+            raise BadSample(f"{conv.where}: no \"advantage\": train.objective = 'grpo' needs one on every line")
+        for name in ("logprobs", "ref_logprobs"):  # a batch's samples carry the same fields
+            given = name in conv.rl
+            first_given, first = seen.setdefault(name, (given, conv.where))
+            if given != first_given:
+                raise BadSample(f"{conv.where}: {'has' if given else 'lacks'} \"{name}\" while {first} "
+                                f"{'lacks' if given else 'has'} it: give it on every line or on none")
         sample = rules_sample(conv, source, rules, counters)
         for k, clip in enumerate(sample.audio):  # else the audio encoder's forward fails mid-run, on its ranks only
             if counters["audio"](clip) > most:
