@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.data.batch import IGNORE_INDEX
-from loom.rl.token_stats import token_stats, top_k
+from loom.rl.token_stats import chunked_token_stats, token_stats, top_k
 
 V, T = 24, 10
 
@@ -39,6 +39,17 @@ def test_logprobs_and_entropy_equal_torch_log_softmax(temperature):
     torch.testing.assert_close(stats.entropy, entropy, rtol=0, atol=1e-5)
 
 
+def test_chunks_recomputed_in_backward_equal_the_whole():
+    logits, labels = _logits_and_labels()
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    whole, chunked = token_stats(a, labels, 0.7), chunked_token_stats(b, labels, 0.7, chunk=3)
+    torch.testing.assert_close(chunked.logprobs, whole.logprobs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked.entropy, whole.entropy, rtol=0, atol=1e-6)
+    (whole.logprobs.sum() + whole.entropy.sum()).backward()
+    (chunked.logprobs.sum() + chunked.entropy.sum()).backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6)
+
+
 def test_top_k_breaks_ties_by_the_lowest_id():
     logits, _ = _logits_and_labels()
     values, ids = top_k(logits, 3)
@@ -60,6 +71,9 @@ def _vocab_parallel(seed: int, k: int, temperature: float) -> dict:
     sharded = distribute_tensor(logits.clone(), mesh, [Shard(-1)]).requires_grad_()
     mine = token_stats(sharded, labels, temperature)
     ((mine.logprobs * weights).sum() + mine.entropy.sum()).backward()
+    chunked_logits = distribute_tensor(logits.clone(), mesh, [Shard(-1)]).requires_grad_()
+    chunked = chunked_token_stats(chunked_logits, labels, temperature, chunk=3)  # recomputed chunk by chunk
+    ((chunked.logprobs * weights).sum() + chunked.entropy.sum()).backward()
     values, ids = top_k(sharded, k, temperature)
     whole_values, whole_ids = top_k(logits, k, temperature)
     return {
@@ -67,6 +81,8 @@ def _vocab_parallel(seed: int, k: int, temperature: float) -> dict:
         "entropy": (mine.entropy - stats.entropy).abs().max().item(),
         "grad": (sharded.grad.full_tensor() - whole.grad).abs().max().item(),
         "grad_scale": whole.grad.abs().max().item(),
+        "chunked": max((chunked.logprobs - stats.logprobs).abs().max().item(),
+                       (chunked_logits.grad.full_tensor() - whole.grad).abs().max().item()),
         "top_k_ids_equal": torch.equal(ids, whole_ids),
         "top_k_values": (values - whole_values).abs().max().item(),
     }
@@ -79,4 +95,5 @@ def test_vocab_parallel_equals_the_whole_vocabulary(worlds, world):
     for rank, r in enumerate(worlds.run(world, _vocab_parallel, 0, 5, 0.7)):
         assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5, (rank, r)
         assert r["grad"] < 1e-6 * r["grad_scale"] + 1e-7, (rank, r)
+        assert r["chunked"] < 1e-5, (rank, r)
         assert r["top_k_ids_equal"] and r["top_k_values"] == 0, (rank, r)

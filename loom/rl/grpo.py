@@ -20,7 +20,7 @@ import torch
 
 from loom.config import GRPOConfig
 from loom.data.batch import IGNORE_INDEX, Batch, sequence_index
-from loom.rl.token_stats import token_stats
+from loom.rl.token_stats import chunked_token_stats
 from loom.train.inputs import StepInputs
 
 ADVANTAGE, BEHAVIOUR, REFERENCE = "advantage", "logprobs", "ref_logprobs"
@@ -48,7 +48,7 @@ class GRPO:
             raise ValueError(f"train.objective = 'grpo' needs an {ADVANTAGE!r} per completion token in the data "
                              f"(this batch carries {sorted(fields) or 'no fields'})")
         mask = batch.labels != IGNORE_INDEX
-        stats = token_stats(logits, batch.labels, cfg.temperature)
+        stats = chunked_token_stats(logits, batch.labels, cfg.temperature)  # fp32 logits a chunk at a time
         lp, advantage = stats.logprobs, fields[ADVANTAGE]
         old = fields[BEHAVIOUR] if BEHAVIOUR in fields else lp.detach()
         ratio = torch.exp((lp - old) * mask)  # 1 off the completion: no overflow where nothing is scored
