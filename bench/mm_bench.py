@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
-from bench.flops import step_flops
+from bench.flops import peak_matmul_tflops, step_flops
 from bench.overlap import merge_intervals
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.job import load_config
@@ -66,22 +66,6 @@ def padded_overrides(args, shape: Shape) -> list[str]:
     if args.format != "bshd" or args.pad_to == "step":
         return []
     return [f"--data.padded_length={args.seq if args.pad_to == 'seq' else -(-shape.longest // 64) * 64}"]
-
-
-def peak_matmul_tflops(device: torch.device) -> float:
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def main() -> None:

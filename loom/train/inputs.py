@@ -57,6 +57,9 @@ class StepInputs:
     # them; the step must not start until every rank knows them, train/step_data.py's step_inputs)
     failed: dict[int, str] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)  # the dataset indices the microbatches hold
+    # the global batch's work, for its FLOP count (train/flops.py): real tokens per sample, rows per encoder item
+    lengths: list[int] = field(default_factory=list)
+    item_rows: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def of(batch: Batch, tokens: int = 0) -> StepInputs:
@@ -224,8 +227,10 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
         stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
-    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats, sum(len(s) for s in samples),
-                      {indices[p]: message for p, message in failed.items()}, list(indices))
+    lengths = [len(s) for s in samples]
+    item_rows = {n: [c(item) for s in samples for item in s.items(n)] for n, c in counters.items()}
+    return StepInputs(micro, sum(supervised_count(s) for s in samples), real, stats, sum(lengths),
+                      {indices[p]: message for p, message in failed.items()}, list(indices), lengths, item_rows)
 
 
 def _decode(samples: list[Sample], p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:
