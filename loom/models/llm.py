@@ -59,6 +59,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        # under autocast the qk norms' fp32 weights promote q, k to fp32: attend in v's dtype (varlen needs bf16)
+        q, k = q.to(v.dtype), k.to(v.dtype)
         out = attend(q, k, v, spans, causal=True)
         return self.o_proj(out.flatten(-2))
 
