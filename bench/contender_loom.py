@@ -32,11 +32,19 @@ class LoomContender:
         self.plan = setup_parallel(m, cfg, device)  # weights drawn per name (train.seed), on the device
         self.optimizer = ModuleOptimizers(m, list(self.plan.hosted), cfg.train)
         self._computed, self._real = 0, 0
+        self._enc_rows: dict[str, list[int]] = {}  # encoder → [real rows, computed rows] over the run
 
     def inputs(self, step: int) -> StepInputs:
         inputs = step_inputs(self.workload, step, self.plan, self.cfg, self.tok, self.counters, self.device)
         self._computed += sum(m.llm.input_ids.numel() for m in inputs.microbatches if m.llm is not None)
         self._real += inputs.tokens
+        for name in self.counters:  # each encoder call's real rows against the rows its layers compute
+            hosted = hasattr(self.model, name)
+            budget = getattr(self.model.encoder(name).encoder, "row_budget", None) if hosted else None
+            for mb in inputs.microbatches:
+                real = sum(self.counters[name](x) for x in mb.encoder_items.get(name, []))
+                computed = budget.rows if budget is not None and real <= budget.rows else -(-real // 64) * 64
+                self._enc_rows[name] = [a + b for a, b in zip(self._enc_rows.get(name, (0, 0)), (real, computed))]
         return inputs
 
     def step(self, inputs: StepInputs, step: int) -> float:
@@ -50,3 +58,8 @@ class LoomContender:
 
     def padding_fraction(self) -> float | None:
         return 1 - self._real / self._computed if self._computed else None  # None: this rank runs no LLM
+
+    def encoder_padding(self) -> dict[str, float]:
+        """Per encoder: the fraction of the rows its layers computed that were filler (fixed row budgets)."""
+        return {n: round(1 - real / computed, 4) for n, (real, computed) in self._enc_rows.items() if computed}
+

@@ -18,12 +18,10 @@ import json
 import os
 import sys
 import time
-import traceback
-import warnings
 
 import torch
 
-from bench.mm_bench import write_profile
+from bench.mm_bench import print_sync_stacks, write_profile
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
 from loom.distributed import init_distributed, shutdown
@@ -52,20 +50,6 @@ def documents(n: int, seq: int, seed: int = 0) -> list[Sample]:
         ids = [1] + torch.randint(0, 256, (seq - 1,), generator=g).tolist()
         docs.append(Sample(ids, [False] + [True] * (seq - 1), [], []))
     return docs
-
-
-def print_sync_stacks() -> None:
-    """Each synchronizing warning once per calling place, with the stack that led to it (stderr)."""
-    seen = set()
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        stack = "".join(traceback.format_stack(limit=12)[:-2])
-        if stack not in seen:
-            seen.add(stack)
-            print(f"--- {message}\n{stack}", file=sys.stderr)
-
-    warnings.simplefilter("always")
-    warnings.showwarning = show
 
 
 def main() -> None:
