@@ -7,6 +7,7 @@ import torch
 from bench.flops import matmul_params
 from bench.mm_bench import flops_of
 from loom.data.tokenizer import ByteTokenizer
+from loom.models.encoder_layer import ROW_MULTIPLE
 from loom.train.build import build_job_model, setup_parallel, token_counters
 from loom.train.step_data import step_inputs
 from loom.train.optim import ModuleOptimizers
@@ -39,11 +40,9 @@ class LoomContender:
         self._computed += sum(m.llm.input_ids.numel() for m in inputs.microbatches if m.llm is not None)
         self._real += inputs.tokens
         for name in self.counters:  # each encoder call's real rows against the rows its layers compute
-            hosted = hasattr(self.model, name)
-            budget = getattr(self.model.encoder(name).encoder, "row_budget", None) if hosted else None
             for mb in inputs.microbatches:
                 real = sum(self.counters[name](x) for x in mb.encoder_items.get(name, []))
-                computed = budget.rows if budget is not None and real <= budget.rows else -(-real // 64) * 64
+                computed = -(-max(real, 1) // ROW_MULTIPLE) * ROW_MULTIPLE  # rounded up; no item: one minimal input
                 self._enc_rows[name] = [a + b for a, b in zip(self._enc_rows.get(name, (0, 0)), (real, computed))]
         return inputs
 
