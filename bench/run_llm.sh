@@ -4,7 +4,8 @@
 # torchtitan's Qwen3-1.7B at the same tokens per step in the same call, its log in OUT.tt-N.log.
 #   bash bench/run_llm.sh OUT.jsonl            EXTRA="--set KEY=VALUE" adds a loom override to every row
 set -u
-out=$1; steps=${STEPS:-10}; warmup=${WARMUP:-3}; extra=${EXTRA:-}
+# one long document per microbatch: cuDNN's SDPA per sample beats varlen there (bench/RESULTS.md)
+out=$1; steps=${STEPS:-10}; warmup=${WARMUP:-3}; extra=${EXTRA---set model.attention=sdpa}
 export PYTHONPATH=${PYTHONPATH:-.}
 for tokens in 8192 16384; do
   python bench/llm_bench.py --tokens "$tokens" --steps "$steps" --warmup "$warmup" --set train.compile=true $extra \
