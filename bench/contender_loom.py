@@ -6,6 +6,7 @@ import torch
 
 from bench.flops import matmul_params
 from bench.mm_bench import flops_of
+from loom.models.encoder_layer import ROW_MULTIPLE
 from loom.train.build import build_job
 from loom.train.inputs import StepInputs
 from loom.train.job_model import build_job_model
@@ -28,11 +29,17 @@ class LoomContender:
             "llm_length": len,
         }
         self._computed, self._real = 0, 0
+        self._enc_rows: dict[str, list[int]] = {}  # encoder → [real rows, computed rows] over the run
 
     def inputs(self, step: int) -> StepInputs:
         inputs = step_inputs(self.workload, step, self.plan, self.cfg, self.tok, self.counters, self.device)
         self._computed += sum(m.llm.input_ids.numel() for m in inputs.microbatches if m.llm is not None)
         self._real += inputs.tokens
+        for name in self.counters:  # each encoder call's real rows against the rows its layers compute
+            for mb in inputs.microbatches:
+                real = sum(self.counters[name](x) for x in mb.encoder_items.get(name, []))
+                computed = -(-max(real, 1) // ROW_MULTIPLE) * ROW_MULTIPLE  # rounded up; no item: one minimal input
+                self._enc_rows[name] = [a + b for a, b in zip(self._enc_rows.get(name, (0, 0)), (real, computed))]
         return inputs
 
     def step(self, inputs: StepInputs, step: int) -> float:
@@ -46,3 +53,8 @@ class LoomContender:
 
     def padding_fraction(self) -> float | None:
         return 1 - self._real / self._computed if self._computed else None  # None: this rank runs no LLM
+
+    def encoder_padding(self) -> dict[str, float]:
+        """Per encoder: the fraction of the rows its layers computed that were filler (fixed row budgets)."""
+        return {n: round(1 - real / computed, 4) for n, (real, computed) in self._enc_rows.items() if computed}
+

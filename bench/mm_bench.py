@@ -24,12 +24,14 @@ import json
 import os
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
-from bench.flops import step_flops
+from bench.flops import peak_matmul_tflops, step_flops
 from bench.overlap import merge_intervals
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.job import load_config
@@ -68,20 +70,18 @@ def padded_overrides(args, shape: Shape) -> list[str]:
     return [f"--data.padded_length={args.seq if args.pad_to == 'seq' else -(-shape.longest // 64) * 64}"]
 
 
-def peak_matmul_tflops(device: torch.device) -> float:
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
+def print_sync_stacks() -> None:
+    """Each synchronizing warning once per calling place, with the stack that led to it (stderr)."""
+    seen = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        if stack not in seen:
+            seen.add(stack)
+            print(f"--- {message}\n{stack}", file=sys.stderr)
+
+    warnings.simplefilter("always")
+    warnings.showwarning = show
 
 
 def main() -> None:
@@ -105,6 +105,8 @@ def main() -> None:
     p.add_argument("--timeline", default="",
                    help="with --profile: write this rank's device-busy intervals here ({rank} in the path; "
                         "bench/overlap.py reads them)")
+    p.add_argument("--sync-debug", choices=("", "warn"), default="",
+                   help="warn: print where the measured steps sync with the host, once per place (stderr)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra loom config override, e.g. --set parallel.reshard_after_forward=false")
     args = p.parse_args()
@@ -138,6 +140,9 @@ def main() -> None:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
                                               ([torch.profiler.ProfilerActivity.CUDA] if gpu else []))
             profiler.__enter__()
+        if step == args.warmup and args.sync_debug:
+            print_sync_stacks()
+            torch.cuda.set_sync_debug_mode(args.sync_debug)
         if gpu:
             torch.cuda.synchronize()
         t0, w0 = time.perf_counter(), time.time_ns()
@@ -177,6 +182,7 @@ def main() -> None:
             "mfu": round(tflops / peak, 4) if gpu else None,
             "peak_mem_gib": peak_mib / 1024 if gpu else None,  # the fullest GPU (non-colocated ranks differ)
             "padding_fraction": _round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
+            "encoder_padding": getattr(contender, "encoder_padding", dict)(),  # filler rows under row budgets
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
             "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),

@@ -195,3 +195,30 @@ def test_startup_bench_small_runs_on_two_cpu_ranks():
     row = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
     assert row["start_up"] == "meta, then shards" and len(row["per_rank"]) == 2
     assert row["max_host_peak_rss_gib"] > 0 and row["params_b"] > 0
+
+
+def test_llm_bench_small_runs_a_text_only_job():
+    """bench/llm_bench.py --small: the text-only row beside torchtitan, on CPU, with no recompile counted."""
+    cmd = [sys.executable, "bench/llm_bench.py", "--small", "--seq", "128", "--tokens", "256", "--steps", "2",
+           "--warmup", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
+    assert result["tokens_per_step"] == 256 and result["tokens_per_s"] > 0 and result["recompiles"] == 0
+    assert len(result["step_times"]) == 2 and result["loss"] > 0
+
+
+def test_model_flops_of_a_text_only_model_counts_the_llm_alone():
+    """The trainer's count (loom/train/flops.py) is bench's: the same step_flops over the model's own sizes."""
+    from loom.train.build import build_job
+    from loom.train.flops import ModelFlops
+    from conftest import TINY_MODEL_OVERRIDES
+
+    cfg = load_config(None, TINY_MODEL_OVERRIDES + ["--model.encoders=[]", '--data.tasks=["sums"]',
+                                                    "--train.device=cpu"])
+    job = build_job(cfg)
+    flops = ModelFlops.of(job.model)
+    lm = cfg.model.language
+    assert flops.encoders == {} and flops.llm == (matmul_params(job.model.language), lm.num_layers, lm.hidden_size)
+    assert flops.step([10, 20], {}) == step_flops(*flops.llm, [10, 20], [])

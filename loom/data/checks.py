@@ -13,8 +13,8 @@ from loom.config import ConfigError, JobConfig
 from loom.data.tables import is_table
 from loom.data.tasks import TASKS
 
-# the encoder each built-in task's inputs go through
-TASK_ENCODER = {"digits": "vision", "shapes": "vision", "tones": "audio"}
+# the encoder each built-in task's inputs go through (None: text only)
+TASK_ENCODER = {"digits": "vision", "shapes": "vision", "tones": "audio", "sums": None}
 
 
 def check_data(cfg: JobConfig) -> None:
@@ -34,7 +34,7 @@ def check_tasks(cfg: JobConfig) -> None:
         if task not in TASKS:
             raise ConfigError(f"data.tasks contains {task!r}; allowed: {list(TASKS)}")
     for task in d.tasks:
-        if TASK_ENCODER[task] not in m.encoders:
+        if TASK_ENCODER[task] is not None and TASK_ENCODER[task] not in m.encoders:
             raise ConfigError(
                 f"data.tasks contains {task!r}, which needs the {TASK_ENCODER[task]} encoder, but model.encoders = "
                 f"{m.encoders}; add {TASK_ENCODER[task]!r} to model.encoders or remove {task!r}"

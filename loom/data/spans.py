@@ -21,6 +21,8 @@ class TokenSpans:
     # set under context parallelism: an object whose .attend(q, k, v, causal, backend) sees the other cp
     # ranks' keys (loom.parallel.context.ContextShard); the model code never looks inside
     context: object | None = None
+    # cu_seqlens as host ints when built from host lengths: per-sample loops read these, never the device copy
+    bounds: tuple[int, ...] | None = None
 
     @property
     def packed(self) -> bool:
@@ -45,10 +47,13 @@ class TokenSpans:
         cu = torch.zeros(max(len(lengths), segments) + 1, dtype=torch.int32)
         cu[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         cu[len(lengths) + 1 :] = sum(lengths)  # empty segments: attend to nothing, cost one idle block each
+        bounds = tuple(cu.tolist())  # still the host tensor: no sync
         # non_blocking: a plain host-to-device copy would also wait for the stream to drain
         cu = cu.to(device, non_blocking=True)
-        return TokenSpans(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend)
+        return TokenSpans(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend,
+                          bounds=bounds)
 
     @staticmethod
     def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenSpans:
         return TokenSpans(pad_mask=pad_mask.bool(), max_seqlen=pad_mask.shape[1], backend=backend)
+

@@ -1,11 +1,12 @@
 """The embedded default dataset: small, real, learnable tasks that need no download.
 
-Three tasks, each a pure function of (task, split, index, seed, sizes):
+Four tasks, each a pure function of (task, split, index, seed, sizes):
 
 * ``digits``: real handwritten 8x8 digits from scikit-learn, rescaled to a varying size;
   the answer is the English word ("seven").
 * ``shapes``: one coloured square, circle or triangle on a dark background ("red circle").
 * ``tones``: 1-3 low/mid/high tones as a log-mel spectrogram ("low high").
+* ``sums``: text only, two numbers below 100 to add ("sum:12+35=" → "47"): a job with no encoder.
 
 Randomness comes only from a ``numpy`` generator seeded by those arguments, never from
 global RNG state, so the same arguments always give bit-identical tensors.
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from loom.data.sample import Example
 
-TASKS = ("digits", "shapes", "tones")
+TASKS = ("digits", "shapes", "tones", "sums")
 SPLITS = ("train", "heldout")
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -31,14 +32,17 @@ SHAPE_NAMES = ("square", "circle", "triangle")
 COLOUR_NAMES = ("red", "green", "blue")
 TONE_NAMES = ("low", "mid", "high")
 
+SUM_BELOW = 100  # sums: both numbers are drawn from 0 … SUM_BELOW − 1
+
 # exact-match accuracy of guessing uniformly; tones: uniform over all 3 + 9 + 27 sequences
 CHANCE: dict[str, float] = {
     "digits": 1 / len(DIGIT_WORDS),
     "shapes": 1 / (len(SHAPE_NAMES) * len(COLOUR_NAMES)),
     "tones": 1 / sum(len(TONE_NAMES) ** n for n in (1, 2, 3)),
+    "sums": 1 / (2 * SUM_BELOW - 1),  # uniform over 0 … 2·(SUM_BELOW − 1)
 }
 
-PROMPTS = {"digits": "digit:", "shapes": "shape:", "tones": "tones:"}
+PROMPTS = {"digits": "digit:", "shapes": "shape:", "tones": "tones:", "sums": "sum:"}
 
 # image sides are these multiples of patch_size, so every image splits into whole patches
 DIGIT_SIDE_MULTIPLES = (2, 3, 4)
@@ -218,6 +222,14 @@ def _make_tones(rng: np.random.Generator, n_audio_features: int) -> Example:
     return Example(task="tones", prompt=PROMPTS["tones"], answer=answer, audio=[features])
 
 
+# ---------------------------------------------------------------- sums
+
+
+def _make_sum(rng: np.random.Generator) -> Example:
+    a, b = (int(x) for x in rng.integers(0, SUM_BELOW, size=2))
+    return Example(task="sums", prompt=f"{PROMPTS['sums']}{a}+{b}=", answer=str(a + b))
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -231,6 +243,8 @@ def make_example(task: str, split: str, index: int, *, seed: int, patch_size: in
         return _make_digit(split, index, rng, patch_size)
     if task == "shapes":
         return _make_shape(rng, patch_size)
+    if task == "sums":
+        return _make_sum(rng)
     return _make_tones(rng, n_audio_features)
 
 
@@ -242,6 +256,9 @@ def longest_example(task: str, patch_size: int, n_audio_features: int) -> Exampl
         side = max(DIGIT_SIDE_MULTIPLES if task == "digits" else SHAPE_SIDE_MULTIPLES) * patch_size
         words = DIGIT_WORDS if task == "digits" else [f"{c} {s}" for c in COLOUR_NAMES for s in SHAPE_NAMES]
         return Example(task, PROMPTS[task], max(words, key=len), images=[torch.zeros(3, side, side)])
+    if task == "sums":
+        top = SUM_BELOW - 1
+        return Example(task, f"{PROMPTS[task]}{top}+{top}=", str(2 * top))
     seconds = 2 * EDGE_SECONDS[1] + 3 * TONE_SECONDS[1] + 2 * GAP_SECONDS[1]  # three tones, widest gaps
     clip = log_mel(torch.zeros(int(seconds * SAMPLE_RATE) + 1), n_audio_features)
     return Example(task, PROMPTS[task], " ".join([max(TONE_NAMES, key=len)] * 3), audio=[clip])

@@ -41,7 +41,7 @@ def attend_prefix(
 @torch.compiler.disable  # a Python loop over samples read from the data: nothing to compile
 def _prefix_sdpa(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans) -> torch.Tensor:
     outs = []
-    qb, kb = q_spans.cu_seqlens.tolist(), k_spans.cu_seqlens.tolist()
+    qb, kb = host_bounds(q_spans), host_bounds(k_spans)
     for qs, qe, ks, ke in zip(qb[:-1], qb[1:], kb[:-1], kb[1:]):
         if qe == qs:
             continue
@@ -49,6 +49,11 @@ def _prefix_sdpa(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans) -> torch.Ten
         qs_, ks_, vs_ = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
         outs.append(_sdpa(qs_, ks_, vs_, mask).squeeze(0).transpose(0, 1))
     return torch.cat(outs) if outs else q[:0]
+
+
+def host_bounds(spans: TokenSpans) -> tuple[int, ...] | list[int]:
+    """The sample offsets on the host: kept from the host lengths when there were any, else read back (a sync)."""
+    return spans.bounds if spans.bounds is not None else spans.cu_seqlens.tolist()
 
 
 def _use_varlen(backend: str, q: torch.Tensor) -> bool:
@@ -115,7 +120,7 @@ def _padded_sdpa(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
 def _packed_sdpa(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
     # One SDPA call per sample: exact, memory O(max_seqlen²) rather than O(tokens²) for a block mask.
     # FlexAttention has no CPU backward and varlen_attn is GPU-only, so this is the CPU path.
-    bounds = spans.cu_seqlens.tolist()
+    bounds = host_bounds(spans)
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:

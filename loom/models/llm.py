@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
@@ -59,6 +60,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        # under autocast the qk norms' fp32 weights promote q, k to fp32: attend in v's dtype (varlen needs bf16)
+        q, k = q.to(v.dtype), k.to(v.dtype)
         out = attend(q, k, v, spans, causal=True)
         return self.o_proj(out.flatten(-2))
 
@@ -131,4 +134,7 @@ def _place_rows(h: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torc
     # encoder without inputs this step still gets its (zero) gradients
     padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
     source = torch.where(mask, mask.flatten().cumsum(0).view(mask.shape) - 1, rows.shape[0])
-    return torch.where(mask.unsqueeze(-1), padded[source], h)
+    # an embedding lookup, not `padded[source]`: every unmasked token points at the zero row, and advanced
+    # indexing's backward (index_put with accumulate) adds such duplicates one by one — 9 ms a step at 8K tokens
+    # on an H200; the embedding's backward skips padding_idx, and each real row is read once (same sums)
+    return torch.where(mask.unsqueeze(-1), F.embedding(source, padded, padding_idx=rows.shape[0]), h)

@@ -43,8 +43,11 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
     budgets = row_budgets(cfg, dist.get_world_size() if dist.is_initialized() else 1) if cfg else {}
     if name in budgets:
         module.encoder.row_budget = budgets[name]
+    # an encoder's rows follow the data (rounded to ROW_MULTIPLE, not padded to the budget): traced
+    # symbolically from the first call, resumed frames after a graph break too, so no row count recompiles
+    dynamic = True if name in budgets else None
     for block in transformer_blocks(name, module):
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic)
 
 
 def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:

@@ -28,6 +28,7 @@ from loom.train.job_model import (
     resolve_device,
     token_counters,
 )
+from loom.train.flops import ModelFlops
 from loom.train.optim import ModuleOptimizers
 from loom.train.rank_plan import RankPlan, setup_parallel
 
@@ -45,6 +46,7 @@ class Job:
     weight_aliases: dict[str, str]  # tied names → the name stored (taken before a pipeline split unties them)
     weight_names: set[str]  # every weight of the whole model, a tied alias once: what a checkpoint holds
     n_params: int  # of the whole model (a rank may keep part)
+    flops: ModelFlops  # the whole model's sizes as the FLOP count reads them (the trainer's MFU)
     reference: MultimodalModel | None = None  # `loom verify`: the whole model on this process, fp32
 
 
@@ -77,6 +79,7 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
         # bshd: S fixed before compile sets the encoders' row budgets (R·S rows) from it
         cfg = with_padded_length(cfg, data.longest, multiple)
         n_params = sum(p.numel() for p in model.parameters())
+        flops = ModelFlops.of(model)  # before the layout keeps only this rank's part
         plan = setup_parallel(model, cfg, device, weights, placement)
     finally:
         weights.close()
@@ -84,7 +87,7 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
     plan.reference = reference_policy(model, cfg)
     optimizer = ModuleOptimizers(model, list(plan.hosted), cfg.train)
     return Job(cfg, device, tok, model, counters, data, plan, optimizer, build_batches(cfg, data), aliases, names,
-               n_params, whole)
+               n_params, flops, whole)
 
 
 def reference_policy(model: MultimodalModel, cfg: JobConfig) -> ReferencePolicy | None:

@@ -58,6 +58,9 @@ class StepInputs:
     failed: dict[int, str] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)  # the dataset indices the microbatches hold
     sequences: int = 0  # samples of the whole global batch with a target (sequence-normalised objectives)
+    # the global batch's work, for its FLOP count (train/flops.py): real tokens per sample, rows per encoder item
+    lengths: list[int] = field(default_factory=list)
+    item_rows: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def of(batch: Batch, tokens: int = 0) -> StepInputs:
@@ -227,9 +230,11 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
         stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
     targets = [supervised_count(s) for s in samples]
-    return StepInputs(micro, sum(targets), real, stats, sum(len(s) for s in samples),
+    lengths = [len(s) for s in samples]
+    item_rows = {n: [c(item) for s in samples for item in s.items(n)] for n, c in counters.items()}
+    return StepInputs(micro, sum(targets), real, stats, sum(lengths),
                       {indices[p]: message for p, message in failed.items()}, list(indices),
-                      sum(n > 0 for n in targets))
+                      sequences=sum(n > 0 for n in targets), lengths=lengths, item_rows=item_rows)
 
 
 def _decode(samples: list[Sample], p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:

@@ -148,6 +148,26 @@ def clip_and_check(model: nn.Module, max_norm: float, share: GradNormShare | Non
     return norm, finite
 
 
+def clip_in_optimizer(model: nn.Module, optimizer, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process with fused AdamW: the global grad norm, the clip and the skip stay on the device, so nothing
+    waits for the host before the optimizer step. The clip coefficient reaches AdamW as `grad_scale` (its one
+    pass divides each gradient by 1/coef: no separate multiply over every gradient) and a non-finite norm as
+    `found_inf` (AdamW then changes nothing, its step count included). Returns (norm, finite), on the device."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0).double() if grads else torch.zeros((), dtype=float)
+    finite = torch.isfinite(norm)
+    clip = finite & (norm > max_norm) if max_norm > 0 else torch.zeros_like(finite)
+    scale = torch.where(clip, (norm + 1e-6) / max_norm, 1.0).float()  # = 1 / clip_and_check's coef
+    for opt in optimizer:
+        opt.grad_scale, opt.found_inf = scale, (~finite).float()
+    return norm, finite
+
+
+def fused_everywhere(optimizer) -> bool:
+    """Every AdamW of the job is the fused one (all its parameters on CUDA): it takes grad_scale and found_inf."""
+    return all(g.get("fused") for opt in optimizer for g in opt.param_groups)
+
+
 def counted_once(module: nn.Module) -> list[nn.Parameter]:
     """`module`'s parameters with gradients, less its copies of a weight held elsewhere too (a pipelined LLM's
     head copy of the tied embedding, parallel/tied.py: the same gradient as the embedding on stage 0)."""

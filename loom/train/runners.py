@@ -28,7 +28,7 @@ from loom.train.rows import RowSource
 
 class LLMRunner(Protocol):
     def run(self, model: MultimodalModel, microbatches: list[StepBatch], rows: RowSource, objective: Objective,
-            normaliser: int, how: RunContext, train: bool) -> float: ...
+            normaliser: int, how: RunContext, train: bool) -> float | torch.Tensor: ...
 
 
 class RunContext:
@@ -59,7 +59,7 @@ class MicrobatchLoop:
     the last; each microbatch's loss sum divided by the normaliser before its backward."""
 
     def run(self, model: MultimodalModel, microbatches: list[StepBatch], rows: RowSource, objective: Objective,
-            normaliser: int, how: RunContext, train: bool) -> float:
+            normaliser: int, how: RunContext, train: bool) -> float | torch.Tensor:
         total = 0.0  # a device tensor after the first microbatch: read once, at the end
         last = len(microbatches) - 1
         for i, mb in enumerate(microbatches):
@@ -76,7 +76,7 @@ class MicrobatchLoop:
             if train:
                 rows.backward_done(i)
             total = total + whole_value(loss_sum.detach())
-        return float(total) / normaliser
+        return total / normaliser  # a device tensor: the step reads it at its end
 
 
 class ScheduleRunner:

@@ -27,7 +27,14 @@ from loom.config import TrainConfig
 from loom.models.multimodal import MultimodalModel
 from loom.train.inputs import StepInputs
 from loom.train.objective import Objective, metric_means
-from loom.train.optim import GradNormShare, clip_and_check, reduce_values, set_lr
+from loom.train.optim import (
+    GradNormShare,
+    clip_and_check,
+    clip_in_optimizer,
+    fused_everywhere,
+    reduce_values,
+    set_lr,
+)
 
 if TYPE_CHECKING:
     from loom.train.build import RankPlan
@@ -74,12 +81,13 @@ def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepIn
 def forward_pass(plan: RankPlan, model: MultimodalModel, inputs: StepInputs, objective: Objective) -> float:
     """The step's program forward only: this rank's part of the objective's loss (the world's sum is the
     caller's to take); nothing is kept for a backward, no weight changes."""
-    return run_microbatches(plan, model, inputs, objective, train=False)
+    return float(run_microbatches(plan, model, inputs, objective, train=False))
 
 
 def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs, objective: Objective,
-                     train: bool) -> float:
-    """Every microbatch of the step through this rank's part of the model: this rank's part of the loss."""
+                     train: bool) -> float | torch.Tensor:
+    """Every microbatch of the step through this rank's part of the model: this rank's part of the loss (a
+    device tensor after the loop: read at the step's end, not here)."""
     if plan.encoder_ranks is not None:  # encoders on ranks of their own: their program, no loss here
         plan.encoder_ranks.run(model, inputs.microbatches, train)
         return 0.0
@@ -98,12 +106,16 @@ def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: 
     when the norm is not finite); `loss`: this rank's part of the step's loss."""
     if inspect_grads is not None:
         inspect_grads(model)
-    norm, finite = clip_and_check(model, cfg.grad_clip, comms.norm_share)
-    if finite:
+    if comms.norm_share is None and fused_everywhere(optimizer):  # one GPU: no host sync until the step's end
+        norm, finite = clip_in_optimizer(model, optimizer, cfg.grad_clip)
         optimizer.step()
+    else:
+        norm, finite = clip_and_check(model, cfg.grad_clip, comms.norm_share)
+        if finite:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss = world_sum([loss], comms)[0]  # under a layout: every rank reports the step's loss
-    return StepResult(loss, norm, lr, not finite)
+    loss = world_sum([float(loss)], comms)[0]  # under a layout: every rank reports the step's loss
+    return StepResult(loss, float(norm), lr, not bool(finite))
 
 
 def world_sum(values: list[float], comms: StepComms) -> list[float]:

@@ -17,6 +17,7 @@ from loom.train.build import build_job
 from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
 from loom.checkpoint.sharded import begin_save, load_sharded
 from loom.train.evaluate import evaluate, heldout_report
+from loom.train.flops import peak_matmul_tflops
 from loom.train.heldout import heldout_metrics
 from loom.train.metrics import MetricsLogger, WandbRun
 from loom.train.inputs import StepInputs, collate
@@ -38,6 +39,8 @@ class Trainer:
         self.data = job.data
         self.plan, self.optimizer, self.batches = job.plan, job.optimizer, job.batches
         self.weight_aliases, self.weight_names, self.n_params = job.weight_aliases, job.weight_names, job.n_params
+        self.model_flops = job.flops
+        self.last_flops = 0.0
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
         # rank 0 asks every rank over the health group which ones stopped answering (monitored barrier); the
         # background checkpoint writer's collectives run on a group of their own
@@ -60,6 +63,7 @@ class Trainer:
         else:
             inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
         self.last_tokens, self.last_stats = inputs.global_tokens, inputs.stats
+        self.last_flops = self.model_flops.step(inputs.lengths, inputs.item_rows) if inputs.lengths else 0.0
         result = self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, self.step)
         self.step += 1
         return result
@@ -72,16 +76,18 @@ class Trainer:
         where = f"{dist.get_world_size()} ranks" if self.plan.distributed else str(self.device)
         log.print(f"loom: {self.n_params / 1e6:.2f}M parameters on {where}, "
                   f"{cfg.train.steps} steps → {out}")
-        tokens, t0, final = 0, time.perf_counter(), {}
+        gpu = GPUUse(self.device, dist.get_world_size() if self.plan.distributed else 1)
+        tokens, flops, t0, final = 0, 0.0, time.perf_counter(), {}
         try:
             while self.step < cfg.train.steps:
                 r = self.train_step()
-                tokens += self.last_tokens
+                tokens, flops = tokens + self.last_tokens, flops + self.last_flops
                 elapsed = time.perf_counter() - t0
+                use = gpu.since_start(flops, elapsed)
                 log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped),
-                                    "bad_samples": float(len(self.data.bad)), **self.last_stats,
+                                    "bad_samples": float(len(self.data.bad)), **self.last_stats, **use,
                                     **{f"{cfg.train.objective}/{k}": v for k, v in r.metrics.items()}})
-                status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}"
+                status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}" + gpu.status(use)
                 if r.skipped:
                     log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped on every rank")
                 log.progress(self.step, status, self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps)
@@ -164,3 +170,23 @@ class Trainer:
 
     def _load(self, path: Path) -> dict:
         return load_sharded(path, self.model, self.optimizer, self.weight_aliases)
+
+
+class GPUUse:
+    """MFU since the run started (the step's FLOPs, train/flops.py, over a measured bf16 matmul peak per GPU) and
+    this rank's peak memory, on CUDA only: what a user reads off the log line beside tok/s."""
+
+    def __init__(self, device: torch.device, world: int) -> None:
+        self.device, self.world = device, world
+        self.peak_tflops = peak_matmul_tflops(device) if device.type == "cuda" else 0.0
+
+    def since_start(self, flops: float, elapsed: float) -> dict[str, float]:
+        if not self.peak_tflops:
+            return {}
+        mfu = flops / elapsed / self.world / 1e12 / self.peak_tflops
+        return {"mfu": mfu, "peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+
+    @staticmethod
+    def status(use: dict[str, float]) -> str:
+        return f"  mfu {use['mfu']:.1%}  mem {use['peak_mem_gib']:.1f} GiB" if use else ""
+

@@ -1,0 +1,126 @@
+"""The LLM alone: a text-only loom job (`model.encoders = []`) on the Qwen3-1.7B shape, the row to set beside
+torchtitan's (../shared/anchors/torchtitan-qwen3.md).
+
+    python bench/llm_bench.py --tokens 8192 --set train.compile=true
+
+Every sample is one document of `--seq` tokens (random byte ids: speed does not depend on them); a step holds
+`--tokens` of them, packed into one microbatch of exactly that many tokens (`data.tokens_per_microbatch`), so
+compiled code sees one shape. Built through `build_job`, as `loom train` builds, then timed on this workload.
+On one GPU (no torchrun) loom runs as torchtitan does there: no FSDP, bf16 autocast over fp32 weights.
+Prints one JSON line: tokens/s, MFU (loom/train/flops.py over an 8192³ bf16 matmul measured in the same
+run), peak memory, every step's time and the recompiles after the first step. `--small` runs on CPU (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bench.mm_bench import print_sync_stacks, write_profile
+from loom.data.loader import GlobalBatches
+from loom.data.sample import Sample
+from loom.distributed import init_distributed, shutdown
+from loom.job import load_config
+from loom.parallel.compile import compiled_frames
+from loom.train.build import build_job
+from loom.train.flops import peak_matmul_tflops
+from loom.train.step_data import step_inputs
+
+QWEN3_1_7B = ["--model.language.hidden_size=2048", "--model.language.num_layers=28",
+              "--model.language.num_heads=16", "--model.language.num_kv_heads=8", "--model.language.head_dim=128",
+              "--model.language.intermediate_size=6144", "--model.language.vocab_size=151936",
+              "--model.language.qk_norm=true", "--model.language.rope_theta=1000000.0",
+              "--model.language.tie_embeddings=true"]
+SMALL = ["--model.language.hidden_size=64", "--model.language.num_layers=2", "--model.language.num_heads=4",
+         "--model.language.num_kv_heads=2", "--model.language.intermediate_size=128",
+         "--model.language.vocab_size=512", "--model.language.qk_norm=true"]
+TEXT_ONLY = ["--model.encoders=[]", '--data.tasks=["sums"]']
+
+
+def documents(n: int, seq: int, seed: int = 0) -> list[Sample]:
+    """`n` documents of `seq` tokens each: <bos> then random bytes, every token after <bos> a target."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n):
+        ids = [1] + torch.randint(0, 256, (seq - 1,), generator=g).tolist()
+        docs.append(Sample(ids, [False] + [True] * (seq - 1), [], []))
+    return docs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq", type=int, default=8192, help="tokens per document")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step (a multiple of --seq)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--profile", default="", help="write a torch profiler summary of the measured steps here")
+    p.add_argument("--sync-debug", choices=("", "warn", "error"), default="",
+                   help="run the measured steps under torch.cuda.set_sync_debug_mode: a host sync raises (error) or "
+                        "prints where it happened, once per place (warn)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config override")
+    args = p.parse_args()
+    device = init_distributed("auto")
+    gpu = device.type == "cuda"
+    per_step = args.tokens // args.seq
+    total = args.warmup + args.steps
+    cfg = load_config(None, (SMALL if args.small else QWEN3_1_7B) + TEXT_ONLY + [
+        f"--train.dtype={'bf16' if gpu else 'fp32'}", f"--train.device={device.type}",
+        f"--train.global_batch_size={per_step}", f"--data.tokens_per_microbatch={args.tokens}",
+        f"--data.train_size={max(per_step, 64)}"] + [f"--{kv}" for kv in args.set])
+    job = build_job(cfg, device)
+    batches = GlobalBatches(documents(per_step * total, args.seq), per_step, cfg.data.seed)
+    inputs = [step_inputs(batches, s, job.plan, job.cfg, job.tok, job.counters, device) for s in range(total)]
+    peak = peak_matmul_tflops(device)
+    times, profiler, first_frames = [], None, 0
+    for s in range(total):
+        if s == args.warmup and args.profile:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.__enter__()
+        if s == args.warmup and args.sync_debug:
+            print_sync_stacks()
+            torch.cuda.set_sync_debug_mode(args.sync_debug)
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = job.plan.train_step(job.model, job.optimizer, inputs[s], job.cfg, s)
+        if gpu:
+            torch.cuda.synchronize()
+        if s >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        if s == 0:
+            first_frames = compiled_frames()
+    if args.sync_debug:
+        torch.cuda.set_sync_debug_mode(0)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        write_profile(profiler, args.profile, sum(times), gpu)
+    step_s = sorted(times)[len(times) // 2]
+    flops = job.flops.step([args.seq] * per_step, {})
+    tflops = flops / step_s / 1e12
+    print(json.dumps({
+        "bench": "llm", "model": "small" if args.small else "qwen3-1.7b", "seq": args.seq,
+        "tokens_per_step": args.tokens,
+        "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
+        "commit": os.environ.get("LOOM_COMMIT", ""), "overrides": args.set, "sync_debug": args.sync_debug,
+        "tokens_per_s": round(args.tokens / step_s, 1), "tflops": round(tflops, 1),
+        "peak_matmul_tflops": round(peak, 1), "mfu": round(tflops / peak, 4) if gpu else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
+        "loss": round(result.loss, 4), "params_b": round(job.n_params / 1e9, 3),
+        "recompiles": compiled_frames() - first_frames,
+        "step_s": round(step_s, 4), "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
+        "step_times": [round(t, 4) for t in times],
+    }))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
