@@ -84,10 +84,10 @@ def test_sequence_normalisation_weighs_each_sequence_the_same(tok):
     assert per_sequence[:4] == pytest.approx([1.0] * 4)
 
 
-def _with_rl_fields(to_sample):
+def _with_rl_fields(to_sample, reference_values: bool = True):
     """`to_sample` whose samples carry GRPO's fields, drawn from the sample's own tokens (the same on every
     rank and for the reference): an advantage per sample, behaviour logprobs near the untrained model's
-    (ratios around 1, some clipped) and reference logprobs."""
+    (ratios around 1, some clipped) and, with `reference_values`, reference logprobs."""
 
     def make(example, tok, counters):
         sample = to_sample(example, tok, counters)
@@ -100,14 +100,16 @@ def _with_rl_fields(to_sample):
             "logprobs": (near + 0.2 * torch.randn(n, generator=g)).tolist(),
             "ref_logprobs": (near + 0.3 * torch.randn(n, generator=g)).tolist(),
         }
+        if not reference_values:
+            del sample.token_fields["ref_logprobs"]
         return sample
 
     return make
 
 
-def _verify_grpo(overrides: list[str]) -> list[dict]:
+def _verify_grpo(overrides: list[str], reference_values: bool = True) -> list[dict]:
     plain = loom.data.source.to_sample
-    loom.data.source.to_sample = _with_rl_fields(plain)
+    loom.data.source.to_sample = _with_rl_fields(plain, reference_values)
     try:
         return run_verify(["--train.objective=grpo", *overrides], 2)
     finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_all_passed, run_verify
+from oracle import assert_all_passed
 
 import loom.data.source
 from loom.rl.reference import ReferencePolicy
@@ -28,29 +28,11 @@ def test_a_swap_and_back_restores_the_trained_weights_bit_for_bit(tiny_model):
         assert torch.equal(p, trained[n]), n
 
 
-def _with_advantages(to_sample):
-    """`to_sample` whose samples carry an advantage and behaviour logprobs, no ref_logprobs: the reference
-    policy scores those."""
-    from test_grpo import _with_rl_fields
-
-    with_all = _with_rl_fields(to_sample)
-
-    def make(example, tok, counters):
-        sample = with_all(example, tok, counters)
-        del sample.token_fields["ref_logprobs"]
-        return sample
-
-    return make
-
-
 def _verify_with_reference(overrides: list[str]) -> list[dict]:
-    plain = loom.data.source.to_sample
-    loom.data.source.to_sample = _with_advantages(plain)
-    try:
-        return run_verify(["--train.objective=grpo", "--train.reference=initial", "--train.grpo.kl_beta=0.5",
-                           *overrides], 2)
-    finally:
-        loom.data.source.to_sample = plain
+    """GRPO with KL against the initial policy; the data brings no ref_logprobs: the reference scores them."""
+    from test_grpo import _verify_grpo
+
+    return _verify_grpo(["--train.reference=initial", "--train.grpo.kl_beta=0.5", *overrides], False)
 
 
 def placed(encoders: str, llm: str) -> list[str]:
@@ -79,8 +61,10 @@ def test_the_reference_is_the_initial_policy_at_step_one_and_not_after(tmp_path)
     from loom.job import load_config
     from loom.train.trainer import Trainer
 
+    from test_grpo import _with_rl_fields
+
     plain = loom.data.source.to_sample
-    loom.data.source.to_sample = _with_advantages(plain)
+    loom.data.source.to_sample = _with_rl_fields(plain, reference_values=False)
     try:
         cfg = load_config(None, tiny_job_overrides(tmp_path, "--train.objective=grpo", "--train.reference=initial",
                                                    "--train.grpo.kl_beta=0.5", "--data.workers=0"))
