@@ -48,6 +48,8 @@ LAYOUTS = {
     "tp2": (2, ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2"]),
     "cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),
     "pp2-mb2": (2, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
+    "pp2xtp2": (4, ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2", "--layout.language.pp=2",
+                    "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
     "fan-in-llm-tp2xcp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2", "--layout.language.cp=2",
                                "--data.pad_to_multiple=8"]),
     "noncolocated-llm-dp2": (3, placed("0-0", "1-2")),
