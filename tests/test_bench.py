@@ -209,6 +209,20 @@ def test_llm_bench_small_runs_a_text_only_job():
     assert len(result["step_times"]) == 2 and result["loss"] > 0
 
 
+def test_score_bench_small_scores_every_target_chunked_or_whole():
+    """bench/score_bench.py --small, chunks of 64 tokens and the whole batch: every target of the 4 documents is
+    scored (255 each after <bos>), one timing per pass."""
+    for chunk in ("64", "0"):
+        cmd = [sys.executable, "bench/score_bench.py", "--small", "--seq", "256", "--tokens", "1024", "--chunk", chunk,
+               "--passes", "2"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
+        assert abs(result["scored_tokens_per_s"] * result["pass_s"] - 4 * 255) <= 0.02 * 4 * 255  # both rounded
+        assert len(result["pass_times"]) == 2
+
+
 def test_model_flops_of_a_text_only_model_counts_the_llm_alone():
     """The trainer's count (loom/train/flops.py) is bench's: the same step_flops over the model's own sizes."""
     from loom.train.build import build_job
