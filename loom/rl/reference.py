@@ -22,7 +22,7 @@ from loom.parallel.fsdp import reshard
 from loom.parallel.materialize import WeightSource, local_part
 from loom.parallel.tied import tied_copy_names
 from loom.rl.grpo import REFERENCE
-from loom.rl.token_stats import token_stats
+from loom.rl.token_stats import chunked_token_stats
 from loom.train.inputs import StepInputs
 from loom.train.step import forward_pass
 
@@ -98,7 +98,7 @@ class _Recorder:
 
     def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         keep = batch.labels != IGNORE_INDEX
-        lp = token_stats(logits, batch.labels, self.temperature).logprobs
+        lp = chunked_token_stats(logits, batch.labels, self.temperature).logprobs  # fp32 a chunk at a time
         microbatch = int(batch.fields[MICROBATCH].reshape(-1)[0])  # host data: before the step, a sync is fine
         self.records[microbatch] = (batch.fields[TOKEN][keep].long().cpu(), lp[keep].float().cpu())
         return torch.zeros((), device=batch.labels.device)
