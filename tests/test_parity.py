@@ -62,10 +62,9 @@ LAYOUTS = {
     "qwen3-fan-in-llm-tp4-sp-bshd": (4, QK_NORM + ["--layout.vision.tp=1", "--layout.language.tp=4",
                                                    "--model.language.num_heads=8", "--model.language.num_kv_heads=4",
                                                    "--data.pad_to_multiple=4", "--data.format=bshd"] + SP),
-    # more tp ranks than KV heads: each rank's query heads read one KV head, replicated on tp / kv ranks
+    # more tp ranks than KV heads: each rank's query heads read one KV head, replicated on tp / kv ranks (tp 8
+    # over 4 KV heads replicates as tp 4 over 2 does: no 8-rank case)
     "tp4-2-kv-heads": (4, tp(2) + ["--layout.language.tp=4", "--model.language.num_heads=8"]),
-    "tp8-4-kv-heads": (8, tp(2) + ["--layout.language.tp=8", "--model.language.num_heads=8",  # 8 ranks: tp 8
-                                   "--model.language.num_kv_heads=4"]),
     "qwen3-tp4-2-kv-heads-fan-in-sp": (4, QK_NORM + ["--layout.vision.tp=1", "--layout.language.tp=4",
                                                      "--model.language.num_heads=8", "--data.pad_to_multiple=4"] + SP),
     # sequence parallel encoders: their packed rows sharded over tp between layers, per-image attention whole
@@ -86,8 +85,8 @@ LAYOUTS = {
     "cp2xdp2xtp2-sp": (8, ["--layout.language.cp=2", "--layout.language.tp=2", "--data.pad_to_multiple=8"] + SP),
     # torch.compile per block (eager hooks of FSDP/TP around it; CP attention eager inside it)
     "compiled-dp1": (1, INDUCTOR),
-    "compiled-fan-in-llm-tp2-sp": (4, COMPILE + ["--layout.vision.tp=1", "--layout.language.tp=2",
-                                                 "--data.pad_to_multiple=2"] + SP),
+    "compiled-fan-in-llm-tp2-sp": (2, COMPILE + ["--layout.vision.tp=1", "--layout.language.tp=2",
+                                                 "--data.pad_to_multiple=2"] + SP),  # vision dp2 → LLM tp2
     "compiled-cp2": (2, COMPILE + CP2),
     # M microbatches per replica (gradient accumulation), contiguous shares or T-token bins, against the
     # reference's one batch
