@@ -86,6 +86,16 @@ class GRPOConfig:
 
 
 @dataclass
+class DPOConfig:
+    """[train.dpo]: the DPO objective (train.objective = "dpo") on lines with "chosen" and "rejected" answers to
+    one prompt, against the reference policy (train.reference)."""
+
+    beta: float = 0.1  # β in −log σ(β·[(lp_c − lp_ref_c) − (lp_r − lp_ref_r)])
+    length_normalise: bool = False  # each answer's logprob sums divided by its tokens (a per-token mean)
+    sft_weight: float = 0.0  # α: + α · the chosen answer's mean token cross-entropy, per pair
+
+
+@dataclass
 class TrainConfig:
     steps: int = 600
     global_batch_size: int = 32
@@ -110,15 +120,21 @@ class TrainConfig:
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute
     activation_checkpointing: str = choice("none", "none", "full", "selective")
-    # what a step minimises: "sft" (next-token cross-entropy) or "grpo" ([train.grpo])
-    objective: str = choice("sft", "sft", "grpo")
+    # what a step minimises: "sft" (next-token cross-entropy), "grpo" ([train.grpo]) or "dpo" ([train.dpo])
+    objective: str = choice("sft", "sft", "grpo", "dpo")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    # the frozen policy whose logprobs each step scores first (a per-token `ref_logprobs` field for GRPO's KL):
-    # "none", "initial" (the weights the run starts from), or a loom checkpoint folder (step-N)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    # the frozen policy whose logprobs each step scores first (a per-token `ref_logprobs` field: GRPO's KL,
+    # DPO's implicit reward): "none", "initial" (the weights the run starts from), or a loom checkpoint folder
     reference: str = "none"
     vision: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     audio: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     language: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
+
+    @property
+    def sequences_per_item(self) -> int:
+        """Sequences one dataset item trains, all in one microbatch: a DPO pair's two, else one."""
+        return 2 if self.objective == "dpo" else 1
 
 
 @dataclass
@@ -258,9 +274,18 @@ def check_values(cfg: JobConfig) -> None:
     )
     check_positive({"train.grpo.temperature": t.grpo.temperature, "score.temperature": cfg.score.temperature})
     check_non_negative({"score.top_k": cfg.score.top_k})
-    if t.reference != "none" and t.objective != "grpo":
-        raise ConfigError(f"train.reference = {t.reference!r} is read by train.objective = 'grpo' (its KL term); "
-                          f"train.objective is {t.objective!r}")
+    if t.reference != "none" and t.objective == "sft":
+        raise ConfigError(f"train.reference = {t.reference!r} is read by train.objective = 'grpo' (its KL term) "
+                          f"or 'dpo'; train.objective is 'sft'")
+    if t.objective == "dpo":
+        if t.reference == "none":
+            raise ConfigError("train.objective = 'dpo' measures each answer against the reference policy: set "
+                              "train.reference = 'initial' (the weights the run starts from) or a checkpoint folder")
+        if t.global_batch_size % 2:
+            raise ConfigError(f"train.global_batch_size = {t.global_batch_size} counts sequences, two per DPO pair: "
+                              f"use an even number")
+        check_positive({"train.dpo.beta": t.dpo.beta})
+        check_non_negative({"train.dpo.sft_weight": t.dpo.sft_weight})
     if t.reference not in ("none", "initial") and not Path(t.reference).is_dir():
         raise ConfigError(f"train.reference = {t.reference!r}: no such checkpoint folder (or 'none', 'initial')")
     if t.grpo.dual_clip and t.grpo.dual_clip <= 1:
@@ -296,9 +321,12 @@ def check_combinations(cfg: JobConfig) -> None:
     if d.padded_length and d.format != "bshd":
         raise ConfigError(f"data.padded_length = {d.padded_length} is the rows' length of padded batches; set "
                           f"data.format = 'bshd', or data.tokens_per_microbatch for packed (thd) ones")
-    if not d.tokens_per_microbatch and t.global_batch_size % t.microbatches:
-        raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by train.microbatches "
-                          f"= {t.microbatches}; or set data.tokens_per_microbatch to pack microbatches by tokens")
+    per_item = t.sequences_per_item
+    if not d.tokens_per_microbatch and t.global_batch_size % (per_item * t.microbatches):
+        raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+                          f"{'2 × ' if per_item > 1 else ''}train.microbatches = {t.microbatches}"
+                          f"{' (DPO: whole pairs per microbatch)' if per_item > 1 else ''}; or set "
+                          f"data.tokens_per_microbatch to pack microbatches by tokens")
     for name, rows in d.encoder_rows_per_microbatch.items():
         if name not in m.encoders or not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
             raise ConfigError(f"data.encoder_rows_per_microbatch.{name} = {rows!r}: expected a positive row count "

@@ -22,8 +22,8 @@ class DoubledOnImages:
     """Σ CE over the targets, plus Σ CE again over those whose `doubled` field is 1; over the global supervised
     count. Built as two summed cross-entropies, so vocab-sharded logits need nothing special."""
 
-    def __init__(self, compile_backend: str | None, vocab_sharded: bool) -> None:
-        self.token_loss = loss_function(compile_backend, vocab_sharded)
+    def __init__(self, compile_backend: str | None, how) -> None:
+        self.token_loss = loss_function(compile_backend, how.vocab_sharded)
 
     def loss_sum(self, logits: torch.Tensor, batch) -> torch.Tensor:
         again = batch.labels.where(batch.fields[FIELD] > 0, IGNORE_INDEX)

@@ -10,7 +10,7 @@ from loom.data.chat import ChatTokenizer
 from loom.data.conversations import MODULE_OF, BadSample, Conversation
 from loom.data.format import TokenCounter
 from loom.data.images import ImageRule, image_file
-from loom.data.sample import Sample
+from loom.data.sample import Sample, SamplePair
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,17 @@ class MediaRules:
 
 
 def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRules,
-                        counters: dict[str, TokenCounter], task: str = "", train_on: str = "assistant") -> Sample:
+                        counters: dict[str, TokenCounter], task: str = "", train_on: str = "assistant"
+                        ) -> Sample | SamplePair:
     """`counters`: encoder name → rows it emits for an item (a model without that encoder has none: an item
-    for it is a BadSample). Media stay files (MediaFile): only their headers are read here."""
+    for it is a BadSample). Media stay files (MediaFile): only their headers are read here. A DPO line gives a
+    pair, each side trained on its answer alone."""
+    if conv.answers is not None:
+        chosen, rejected = (_answer_sample(side, chat, rules, counters, task) for side in conv.sides())
+        if chosen.tokens == rejected.tokens:
+            raise BadSample(f"{conv.where}: \"chosen\" and \"rejected\" tokenise to the same {len(chosen)} tokens: "
+                            f"the pair teaches nothing")
+        return SamplePair(chosen, rejected)
     for kind, module in MODULE_OF.items():
         if conv.items(kind) and module not in counters:
             raise BadSample(f"{conv.where}: has {kind} items but the model has no {module} encoder")
@@ -35,6 +43,14 @@ def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRul
     if conv.rl:  # an RL line: only the completion (the last assistant turn) is trained
         targets, fields = completion_fields(conv, targets)
     return Sample(ids, targets, images, clips, conv.task or task, conv.where, fields)
+
+
+def _answer_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRules, counters: dict[str, TokenCounter],
+                   task: str) -> Sample:
+    """One side of a DPO pair: only its answer (the last assistant turn) is a target."""
+    sample = conversation_sample(conv, chat, rules, counters, task)
+    sample.supervised = completion_fields(conv, sample.supervised)[0]
+    return sample
 
 
 def completion_fields(conv: Conversation, targets: list[bool]) -> tuple[list[bool], dict[str, list[float]]]:

@@ -7,7 +7,9 @@ One conversation per line:
                   {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
 
 `content` may also be a plain string (one text part); `{"type": "audio", "path": "a.wav"}` adds a clip; an
-optional `"task": "name"` groups the line in held-out metrics (default: the file's stem).
+optional `"task": "name"` groups the line in held-out metrics (default: the file's stem). RL lines add GRPO's
+`"advantage"` (and optional `"logprobs"`, `"ref_logprobs"`, one per completion token) for the last assistant
+turn, or DPO's `"chosen"` and `"rejected"`: two answers (content lists or strings) to `messages` as a prompt.
 Paths are relative to the JSONL file. A file is indexed once (the byte offset of every non-blank line) and
 a line is parsed and checked only when read, so a large file costs no memory up front; every problem is a
 `BadSample` naming file:line, the same on every rank (they all read the same bytes).
@@ -63,6 +65,12 @@ class Conversation:
     # RL's per-line values for the completion (the last assistant turn): "advantage" (a number), "logprobs" and
     # "ref_logprobs" (one per completion token)
     rl: dict[str, float | tuple[float, ...]] = field(default_factory=dict)
+    # a DPO line's two answers to `turns` (the prompt): the "chosen" and the "rejected" assistant turn
+    answers: tuple[Turn, Turn] | None = None
+
+    def sides(self) -> tuple[Conversation, Conversation]:
+        """A DPO line as two conversations, the prompt followed by the chosen, then by the rejected answer."""
+        return tuple(Conversation(self.turns + (answer,), self.where, self.task) for answer in self.answers)
 
     def media(self, kind: str) -> list[Path]:
         """The files of one kind ("image" or "audio") in conversation order."""
@@ -94,12 +102,34 @@ def parse_record(record, where: str, base: Path, media: MediaHook | None = None)
     if not isinstance(messages, list) or not messages:
         raise BadSample(f"{where}: a line must be an object with a non-empty \"messages\" list")
     turns = tuple(_turn(m, f"{where}: messages[{i}]", base, media) for i, m in enumerate(messages))
-    if not any(t.role == "assistant" and t.parts for t in turns):
+    answers = _answers(record, where, base, media)
+    if answers is None and not any(t.role == "assistant" and t.parts for t in turns):
         raise BadSample(f"{where}: no assistant turn: nothing to learn from this conversation")
     task = record.get("task")
     if task is not None and (not isinstance(task, str) or not task):
         raise BadSample(f"{where}: \"task\" must be a non-empty string (it names the sample's group in metrics)")
-    return Conversation(turns, where, task, _rl_values(record, where))
+    rl = _rl_values(record, where)
+    if answers is not None and rl:
+        raise BadSample(f"{where}: a DPO pair (\"chosen\", \"rejected\") carries no {sorted(rl)}: those are GRPO's")
+    return Conversation(turns, where, task, rl, answers)
+
+
+def _answers(record: dict, where: str, base: Path, media: MediaHook | None) -> tuple[Turn, Turn] | None:
+    """A DPO line's "chosen" and "rejected" answers (each a content list, or a string) as assistant turns; None
+    on a line with neither."""
+    given = [k for k in ("chosen", "rejected") if k in record]
+    if not given:
+        return None
+    if len(given) == 1:
+        missing = ({"chosen", "rejected"} - set(given)).pop()
+        raise BadSample(f"{where}: has \"{given[0]}\" but no \"{missing}\": a DPO pair needs both answers")
+    chosen, rejected = (_turn({"role": "assistant", "content": record[k]}, f"{where}: {k}", base, media)
+                        for k in ("chosen", "rejected"))
+    if chosen == rejected:
+        raise BadSample(f"{where}: \"chosen\" and \"rejected\" are identical: the pair teaches nothing")
+    if not chosen.parts or not rejected.parts:
+        raise BadSample(f"{where}: an empty answer: \"chosen\" and \"rejected\" each need content")
+    return chosen, rejected
 
 
 RL_VALUES = ("advantage", "logprobs", "ref_logprobs")

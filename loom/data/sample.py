@@ -64,3 +64,22 @@ class Sample:
     def items(self, modality: str) -> list[Item]:
         """This sample's inputs of one modality ("vision" or "audio"), in placeholder order."""
         return {"vision": self.images, "audio": self.audio}[modality]
+
+
+@dataclass
+class SamplePair:
+    """A DPO line: two answers to one prompt, each a sample that trains its answer alone. Drawn as one dataset
+    item, so its two sequences always share a step, a replica and a microbatch (train/inputs.py)."""
+
+    chosen: Sample
+    rejected: Sample
+
+    @property
+    def sequences(self) -> list[Sample]:
+        """Chosen first: the DPO objective pairs a microbatch's sequences 2j (chosen) and 2j + 1 (rejected)."""
+        return [self.chosen, self.rejected]
+
+
+def sequences_of(item: Sample | SamplePair) -> list[Sample]:
+    """The sequences one dataset item trains: a sample alone, or a pair's two."""
+    return item.sequences if isinstance(item, SamplePair) else [item]

@@ -9,6 +9,7 @@ only as far as their headers) and the few found bad only when decoding are agree
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,22 +20,29 @@ from loom.data.conversation_format import MediaRules, conversation_sample
 from loom.data.conversations import BadSample, Conversation, ConversationFile, blend
 from loom.data.tables import TableConversations, is_table
 from loom.data.format import TokenCounter, to_sample
-from loom.data.sample import Sample
+from loom.data.sample import Sample, SamplePair
 from loom.data.tasks import TaskDataset
 from loom.data.tokenizer import ByteTokenizer
 
 
 class TaskSamples:
-    """The built-in tasks' examples as samples."""
+    """The built-in tasks' examples as samples; with `pairs`, as DPO pairs: the answer chosen over the same
+    answer reversed (a wrong answer in the answer's own characters; "?" appended where it reads the same)."""
 
-    def __init__(self, tasks: TaskDataset, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> None:
-        self.tasks, self.tok, self.counters = tasks, tok, counters
+    def __init__(self, tasks: TaskDataset, tok: ByteTokenizer, counters: dict[str, TokenCounter],
+                 pairs: bool = False) -> None:
+        self.tasks, self.tok, self.counters, self.pairs = tasks, tok, counters, pairs
 
     def __len__(self) -> int:
         return len(self.tasks)
 
-    def __getitem__(self, i: int) -> Sample:
-        return to_sample(self.tasks[i], self.tok, self.counters)
+    def __getitem__(self, i: int) -> Sample | SamplePair:
+        example = self.tasks[i]
+        chosen = to_sample(example, self.tok, self.counters)
+        if not self.pairs:
+            return chosen
+        wrong = example.answer[::-1] if example.answer[::-1] != example.answer else example.answer + "?"
+        return SamplePair(chosen, to_sample(dataclasses.replace(example, answer=wrong), self.tok, self.counters))
 
 
 @dataclass(frozen=True)
@@ -72,12 +80,13 @@ class ConversationSamples:
         f, k = self.positions[i]
         return self.files[f].where(k)
 
-    def __getitem__(self, i: int) -> Sample:
+    def __getitem__(self, i: int) -> Sample | SamplePair:
         f, k = self.positions[i]
         return rules_sample(self.files[f][k], self.files[f].name, self.rules, self.counters)
 
 
-def rules_sample(conv: Conversation, source: str, rules: ChatRules, counters: dict[str, TokenCounter]) -> Sample:
+def rules_sample(conv: Conversation, source: str, rules: ChatRules, counters: dict[str, TokenCounter]
+                 ) -> Sample | SamplePair:
     """One conversation of the source named `source` as a sample (media as headers only): what a step draws,
     and what the prescan builds for every line."""
     return conversation_sample(conv, rules.chat, rules.media, counters, source, rules.train_on)

@@ -20,6 +20,7 @@ import torch
 
 from loom.config import GRPOConfig
 from loom.data.batch import IGNORE_INDEX, Batch, sequence_index
+from loom.rl.metric_sums import MetricSums
 from loom.rl.token_stats import chunked_token_stats
 from loom.train.inputs import StepInputs
 
@@ -28,11 +29,12 @@ SEQUENCE_WEIGHT = "sequence_weight"  # derived by the objective (normalise = "se
 METRICS = ("clip_fraction", "kl", "entropy", "ratio", "ratio_deviation")
 
 
-class GRPO:
+class GRPO(MetricSums):
+    metric_names = METRICS  # summed over this rank's completion tokens
+
     def __init__(self, cfg: GRPOConfig) -> None:
+        super().__init__()
         self.cfg = cfg
-        self.metric_names = METRICS
-        self.sums: torch.Tensor | None = None  # METRICS summed over this rank's completion tokens, then their count
 
     def normaliser(self, inputs: StepInputs) -> int:
         if self.cfg.normalise == "token":
@@ -66,19 +68,9 @@ class GRPO:
         if cfg.kl_beta:
             loss = loss + cfg.kl_beta * kl
         weight = mask * fields[SEQUENCE_WEIGHT] if cfg.normalise == "sequence" else mask
-        self._add_metrics(mask, clipped > unclipped, kl, stats.entropy, ratio)
+        self.add_metrics(mask, [clipped > unclipped, kl, stats.entropy, ratio, (ratio - 1).abs()])
         return (loss * weight).sum()
 
-    @torch.no_grad()
-    def _add_metrics(self, mask, clipped, kl, entropy, ratio) -> None:
-        values = [clipped, kl, entropy, ratio, (ratio - 1).abs()]
-        sums = torch.stack([(v.float() * mask).sum() for v in values] + [mask.sum().float()])
-        self.sums = sums if self.sums is None else self.sums + sums  # on the device: read once, by the step
-
-    def take_metrics(self) -> torch.Tensor | None:
-        """This rank's metric sums since the last call (the step adds the world's and divides), then none."""
-        sums, self.sums = self.sums, None
-        return sums
 
 
 def sequence_weights(batch: Batch) -> torch.Tensor:

@@ -3,7 +3,7 @@ entropy, and the top-k — with the vocabulary whole, or sharded over tp (a DTen
 
 Vocab-parallel (Megatron's cross-entropy, here for logprobs): the max, the sum of exponentials, the target's
 logit and Σ p·z are each reduced over tp, so no rank gathers the vocabulary. The sums are reduced by
-`_sum_over_shards`, whose backward is the identity: every tp rank computes the same loss from the reduced
+`sum_over_shards`, whose backward is the identity: every tp rank computes the same loss from the reduced
 value, so each shard's gradient is its own part — an all-reduce there would multiply gradients by tp (the
 pitfall seed 000 names for cp's gather). Chunking over tokens (memory) is the caller's: each token's
 statistics depend on its own logits only.
@@ -46,7 +46,9 @@ def vocab_shard(logits: torch.Tensor) -> VocabShard:
 
 
 class _SumOverShards(torch.autograd.Function):
-    """All-reduce (sum) over the vocabulary's shards; backward the identity (see the module's docstring)."""
+    """All-reduce (sum) of a value each rank of `group` holds a part of — over the vocabulary's shards here, over
+    cp's parts of sequences in DPO — for a loss every rank then computes whole; backward the identity (see the
+    module's docstring)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -59,7 +61,7 @@ class _SumOverShards(torch.autograd.Function):
         return grad, None
 
 
-def _sum_over_shards(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def sum_over_shards(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group is None else _SumOverShards.apply(x, group)
 
 
@@ -84,14 +86,14 @@ def token_stats(logits: torch.Tensor | VocabShard, labels: torch.Tensor, tempera
     z = shard.local.float() / temperature
     z = z - _max_over_shards(z.amax(-1, keepdim=True), shard.group)
     exp = z.exp()
-    total = _sum_over_shards(exp.sum(-1), shard.group)
+    total = sum_over_shards(exp.sum(-1), shard.group)
     log_total = total.log()
-    mean_z = _sum_over_shards((exp * z).sum(-1), shard.group) / total  # Σ p·z, p = exp / total
+    mean_z = sum_over_shards((exp * z).sum(-1), shard.group) / total  # Σ p·z, p = exp / total
     supervised = labels != IGNORE_INDEX
     local_label = labels - shard.offset
     mine = supervised & (local_label >= 0) & (local_label < z.shape[-1])  # the label's logit is on this shard
     picked = z.gather(-1, local_label.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    label_z = _sum_over_shards(picked * mine, shard.group)
+    label_z = sum_over_shards(picked * mine, shard.group)
     logprobs = (label_z - log_total) * supervised
     return TokenStats(logprobs, log_total - mean_z)
 

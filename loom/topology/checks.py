@@ -42,11 +42,13 @@ def check_placement(placement: Placement, cfg: JobConfig) -> None:
         else:
             _check_encoder(lay, cfg)
         batch, m = cfg.train.global_batch_size, cfg.train.microbatches
-        if name == "language" and not cfg.data.tokens_per_microbatch and batch % (lay.dp * m):
+        per_item = cfg.train.sequences_per_item
+        if name == "language" and not cfg.data.tokens_per_microbatch and batch % (per_item * lay.dp * m):
+            pairs = " (DPO: whole pairs per microbatch)" if per_item > 1 else ""
             raise ConfigError(
-                f"language: train.global_batch_size = {batch} is not divisible by its dp = {lay.dp} × "
-                f"train.microbatches = {m}; use a multiple of {lay.dp * m}, or set data.tokens_per_microbatch "
-                f"to pack microbatches by tokens"
+                f"language: train.global_batch_size = {batch} is not divisible by {'2 × ' if per_item > 1 else ''}"
+                f"its dp = {lay.dp} × train.microbatches = {m}{pairs}; use a multiple of {per_item * lay.dp * m}, or "
+                f"set data.tokens_per_microbatch to pack microbatches by tokens"
             )
 
 

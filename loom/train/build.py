@@ -96,4 +96,5 @@ def reference_policy(model: MultimodalModel, cfg: JobConfig) -> ReferencePolicy 
     ref = cfg.train.reference
     if ref == "none":
         return None
-    return ReferencePolicy(model, cfg.train.grpo.temperature, None if ref == "initial" else CheckpointWeights(ref))
+    temperature = cfg.train.grpo.temperature if cfg.train.objective == "grpo" else 1.0  # DPO's answers: as given
+    return ReferencePolicy(model, temperature, None if ref == "initial" else CheckpointWeights(ref))

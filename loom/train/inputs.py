@@ -128,21 +128,48 @@ def with_padded_length(cfg: JobConfig, longest: dict[str, int], multiple: int) -
 
 def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple: int
             ) -> tuple[list[Sample], list[int], int]:
-    """With data.too_long = "skip": the samples whose padded length fits a microbatch (T packed, S padded),
-    their dataset indices, and how many were dropped (the reference drops the same ones). Otherwise all."""
+    """With data.too_long = "skip": the samples whose padded length fits a microbatch (T packed, S padded) —
+    a DPO pair's two together, as they share one — their dataset indices, and how many were dropped (the
+    reference drops the same ones). Otherwise all, or a BadSample naming the first that does not fit."""
     key, budget = limit(cfg)
     if not budget:
         return samples, indices, 0
+    together = cfg.data.format == "thd"  # packed: a pair's two sequences share T; padded: each its own row
+
+    def need(group: list[int]) -> int:
+        padded = [round_up(len(samples[p]), multiple) for p in group]
+        return sum(padded) if together else max(padded)
+
+    groups = item_groups(indices)
     if cfg.data.too_long != "skip":  # the built-in tasks' longest was checked up front; a user's shows here
-        for s, index in zip(samples, indices):
-            if round_up(len(s), multiple) > budget:
+        for group in groups:
+            if need(group) > budget:
+                s, index = samples[group[0]], indices[group[0]]
                 where = s.where or f"sample {index} of the dataset"
-                raise BadSample(f"{where}: {len(s)} tokens (padded to a multiple of {multiple}: "
-                                f"{round_up(len(s), multiple)}) exceed {key} = {budget}; raise it, or set "
-                                f"data.too_long = \"skip\" to drop such samples")
+                if len(group) == 1 or not together:
+                    long = max(group, key=lambda p: len(samples[p]))
+                    raise BadSample(f"{where}: {len(samples[long])} tokens (padded to a multiple of {multiple}: "
+                                    f"{round_up(len(samples[long]), multiple)}) exceed {key} = {budget}; raise it, or "
+                                    f"set data.too_long = \"skip\" to drop such samples")
+                sizes = " + ".join(str(round_up(len(samples[p]), multiple)) for p in group)
+                raise BadSample(f"{where}: the DPO pair's answers need {sizes} = {need(group)} tokens together "
+                                f"(each padded to a multiple of {multiple}; a pair shares a microbatch), more than "
+                                f"{key} = {budget}; raise it, or set data.too_long = \"skip\" to drop such pairs")
         return samples, indices, 0
-    keep = [i for i, s in enumerate(samples) if round_up(len(s), multiple) <= budget]
-    return [samples[i] for i in keep], [indices[i] for i in keep], len(samples) - len(keep)
+    keep = [p for group in groups if need(group) <= budget for p in group]
+    return [samples[p] for p in keep], [indices[p] for p in keep], len(samples) - len(keep)
+
+
+def item_groups(indices: list[int]) -> list[list[int]]:
+    """Positions of a global batch grouped by the dataset item they came from: a DPO pair's two sequences carry
+    their item's index side by side (train/step_data.py `draw`); every other sample is a group of its own."""
+    groups: list[list[int]] = []
+    for p, index in enumerate(indices):
+        if groups and indices[groups[-1][0]] == index:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return groups
 
 
 def check_longest(cfg: JobConfig, longest: dict[str, int], multiple: int) -> None:
@@ -160,17 +187,23 @@ def check_longest(cfg: JobConfig, longest: dict[str, int], multiple: int) -> Non
                 f"data.too_long = \"skip\" to drop such samples")
 
 
-def split_llm(n_samples: int, tokens: list[int], rows: dict[str, list[int]], dp: int, cfg: JobConfig,
-              indices: list[int]) -> list[list[list[int]]]:
-    """[microbatch][LLM replica] → global-batch positions, ascending."""
+def split_llm(tokens: list[int], rows: dict[str, list[int]], dp: int, cfg: JobConfig, indices: list[int]
+              ) -> list[list[list[int]]]:
+    """[microbatch][LLM replica] → global-batch positions, ascending. The items of the global batch are what is
+    placed — a DPO pair's two sequences together (`item_groups`), so they share a replica and a microbatch."""
     m, budget = cfg.train.microbatches, cfg.data.tokens_per_microbatch
+    groups = item_groups(indices)
     if budget:
-        bins = assign_bins(tokens, rows, dp, m, budget, indices)
+        item_tokens = [sum(tokens[p] for p in g) for g in groups]
+        item_rows = {n: [sum(r[p] for p in g) for g in groups] for n, r in rows.items()}
+        bins = assign_bins(item_tokens, item_rows, dp, m, budget, [indices[g[0]] for g in groups])
+        bins = [[p for item in b for p in groups[item]] for b in bins]
         return [[bins[r * m + k] for r in range(dp)] for k in range(m)]
     # equal contiguous shares (validated: the global batch divides into dp · M); after skips, nearly equal
     n = dp * m
-    bounds = [j * n_samples // n for j in range(n + 1)]
-    return [[list(range(bounds[r * m + k], bounds[r * m + k + 1])) for r in range(dp)] for k in range(m)]
+    bounds = [j * len(groups) // n for j in range(n + 1)]
+    share = [[p for g in groups[bounds[j]:bounds[j + 1]] for p in g] for j in range(n)]
+    return [[share[r * m + k] for r in range(dp)] for k in range(m)]
 
 
 def split_encoder(llm_parts: list[list[int]], rows: list[int], dp: int) -> list[list[int]]:
@@ -205,7 +238,7 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     rows = {n: [sum(c(item) for item in s.items(n)) for s in samples] for n, c in counters.items()}
     tokens = [round_up(len(s), multiple) for s in samples]
     llm_rank, llm_dp = shares["language"]
-    parts = split_llm(len(samples), tokens, rows, llm_dp, cfg, indices)
+    parts = split_llm(tokens, rows, llm_dp, cfg, indices)
     length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
     padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0

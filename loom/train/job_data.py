@@ -20,7 +20,7 @@ from loom.data.conversation_format import MediaRules
 from loom.data.conversations import BadSample, Conversation
 from loom.data.format import TokenCounter, to_sample
 from loom.data.images import ImageRule, PreprocessorConfigError
-from loom.data.sample import Sample, decoded
+from loom.data.sample import Sample, SamplePair, decoded, sequences_of
 from loom.data.source import (
     BadSamples,
     ChatRules,
@@ -79,7 +79,9 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
         train = TaskDataset(d.tasks, "train", d.train_size, seed=d.seed, **sizes)
         heldout = TaskSamples(TaskDataset(d.tasks, "heldout", d.heldout_size, seed=d.seed, **sizes), tok, counters)
         longest = {f"task {t!r}": len(to_sample(longest_example(t, **sizes), tok, counters)) for t in d.tasks}
-        return JobData(tok, TaskSamples(train, tok, counters), [heldout[i] for i in range(len(heldout))], longest)
+        pairs = cfg.train.objective == "dpo"
+        return JobData(tok, TaskSamples(train, tok, counters, pairs), [heldout[i] for i in range(len(heldout))],
+                       longest)
     bad = BadSamples()
     weights = [s.weight for s in d.sources]
     rules = ChatRules(tok, media_rules(cfg), d.train_on)
@@ -90,9 +92,10 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
     else:
         files, held = split_off(files, weights, d.heldout_size)
     train = ConversationSamples.mixture(files, weights, rules, counters)
-    if cfg.train.global_batch_size > len(train):
+    per_item = cfg.train.sequences_per_item
+    if cfg.train.global_batch_size > per_item * len(train):
         raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds the {len(train)} "
-                          f"training conversations of data.sources")
+                          f"training conversations of data.sources" + (" (two sequences each)" if per_item > 1 else ""))
     heldout = ConversationSamples.mixture(held, [1.0] * len(held), rules, counters) if held else []
     return JobData(tok, train, _loaded(heldout, d.on_bad_sample, bad), {}, bad)
 
@@ -109,20 +112,26 @@ def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter],
     def check(conv: Conversation, source: str) -> None:
         if cfg.train.objective == "grpo" and "advantage" not in conv.rl:
             raise BadSample(f"{conv.where}: no \"advantage\": train.objective = 'grpo' needs one on every line")
+        if (cfg.train.objective == "dpo") != (conv.answers is not None):
+            raise BadSample(f"{conv.where}: no \"chosen\" and \"rejected\": train.objective = 'dpo' needs a pair on "
+                            f"every line" if conv.answers is None else
+                            f"{conv.where}: a DPO pair (\"chosen\", \"rejected\") but train.objective = "
+                            f"{cfg.train.objective!r}: set train.objective = 'dpo'")
         for name in ("logprobs", "ref_logprobs"):  # a batch's samples carry the same fields
             given = name in conv.rl
             first_given, first = seen.setdefault(name, (given, conv.where))
             if given != first_given:
                 raise BadSample(f"{conv.where}: {'has' if given else 'lacks'} \"{name}\" while {first} "
                                 f"{'lacks' if given else 'has'} it: give it on every line or on none")
-        sample = rules_sample(conv, source, rules, counters)
-        for k, clip in enumerate(sample.audio):  # else the audio encoder's forward fails mid-run, on its ranks only
+        sequences = sequences_of(rules_sample(conv, source, rules, counters))
+        clips = [(k, clip) for s in sequences for k, clip in enumerate(s.audio)]
+        for k, clip in clips:  # else the audio encoder's forward fails mid-run, on its ranks only
             if counters["audio"](clip) > most:
                 raise BadSample(f"{conv.where}: clip {k + 1} gives {counters['audio'](clip)} frames after "
                                 f"subsampling, more than model.audio.max_positions = {most}; shorten it, or raise "
                                 f"max_positions")
-        if multiple is not None:
-            fitting([sample], [0], cfg, multiple)  # raises BadSample naming the line (unless too_long = "skip")
+        if multiple is not None:  # raises BadSample naming the line (unless too_long = "skip")
+            fitting(sequences, [0] * len(sequences), cfg, multiple)
 
     return check
 
@@ -142,12 +151,13 @@ def media_rules(cfg: JobConfig) -> MediaRules:
     return MediaRules(image, cfg.model.audio.num_features)
 
 
-def _loaded(samples: Sequence[Sample], on_bad: str, bad: BadSamples) -> list[Sample]:
-    """Every sample with its media decoded now (the held-out set is small and read at every evaluation)."""
+def _loaded(samples: Sequence[Sample | SamplePair], on_bad: str, bad: BadSamples) -> list[Sample]:
+    """Every sample with its media decoded now (the held-out set is small and read at every evaluation); of a
+    DPO pair, the chosen answer (the held-out pass measures its token loss and accuracy)."""
     out = []
     for i in range(len(samples)):
         try:
-            s = samples[i]
+            s = sequences_of(samples[i])[0]
             out.append(dataclasses.replace(s, images=[decoded(x) for x in s.images],
                                            audio=[decoded(x) for x in s.audio]))
         except BadSample as e:

@@ -8,7 +8,7 @@ import torch
 from loom.config import JobConfig
 from loom.data.format import TokenCounter
 from loom.data.loader import GlobalBatches
-from loom.data.sample import Sample
+from loom.data.sample import Sample, SamplePair
 from loom.data.tokenizer import Vocabulary
 from loom.models.hf import HFWeights
 from loom.models.multimodal import MultimodalModel, build_model
@@ -55,6 +55,7 @@ def token_counters(model: MultimodalModel) -> dict[str, TokenCounter]:
     return {n: model.encoder(n).num_tokens for n in model.encoder_names}
 
 
-def build_batches(cfg: JobConfig, data: JobData) -> GlobalBatches[Sample]:
-    """Global batches of the job's training samples (a sample found bad when drawn: train/step_data.py)."""
-    return GlobalBatches(data.train, cfg.train.global_batch_size, cfg.data.seed)
+def build_batches(cfg: JobConfig, data: JobData) -> GlobalBatches[Sample | SamplePair]:
+    """Global batches of the job's training items (a sample found bad when drawn: train/step_data.py);
+    `train.global_batch_size` counts sequences, so under DPO a batch draws half as many pairs."""
+    return GlobalBatches(data.train, cfg.train.global_batch_size // cfg.train.sequences_per_item, cfg.data.seed)

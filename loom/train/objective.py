@@ -7,24 +7,29 @@ An objective answers two questions, and the step program asks nothing else of it
 - `normaliser(inputs)`: what the step divides every microbatch's sum by, from host data alone (every rank
   knows the whole global batch): the global supervised-token count for SFT, the sequences or pairs of the
   global batch for others. Dividing each microbatch by the *global* count is what makes every layout's
-  gradient the reference's, for any dp, cp, pp, M or placement.
+  gradient the reference's, for any dp, cp, pp, M or placement. It sees the whole microbatches before CP
+  splits them, so an objective may derive per-token fields there (GRPO's sequence weights, DPO's sequences).
 Per-token inputs beyond the labels (advantages, behaviour or reference logprobs) arrive in `batch.fields`,
 packed, padded and CP-sharded like the labels. An objective may also keep metric sums on the side
-(`metric_names`, `take_metrics()`: sums over its tokens, their count last): the step adds them over the world
-and reports their means.
+(`metric_names`, `take_metrics()`: sums over its tokens or pairs, their count last; rl/metric_sums.py): the
+step adds them over the world and reports their means.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from loom.config import TrainConfig
 from loom.data.batch import Batch
+from loom.rl.dpo import DPO
 from loom.rl.grpo import GRPO
 from loom.train.inputs import StepInputs
 from loom.train.loss import loss_function
+
+if TYPE_CHECKING:
+    from loom.train.runners import RunContext
 
 
 class Objective(Protocol):
@@ -46,12 +51,14 @@ class SFT:
         return max(1, inputs.supervised)
 
 
-def make_objective(train: TrainConfig, compile_backend: str | None, vocab_sharded: bool) -> Objective:
-    """The objective `train.objective` names, on logits compiled with `compile_backend` (None: eager) and
-    vocab-sharded or not."""
+def make_objective(train: TrainConfig, compile_backend: str | None, how: RunContext) -> Objective:
+    """The objective `train.objective` names, on logits compiled with `compile_backend` (None: eager), run as
+    `how` says (vocab-sharded or not; the cp group, for DPO's sums over whole sequences)."""
     if train.objective == "grpo":
         return GRPO(train.grpo)
-    return SFT(compile_backend, vocab_sharded)
+    if train.objective == "dpo":
+        return DPO(train.dpo, how.cp_group)
+    return SFT(compile_backend, how.vocab_sharded)
 
 
 def metric_means(objective: Objective, reduce) -> dict[str, float]:

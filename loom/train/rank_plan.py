@@ -62,7 +62,7 @@ class RankPlan:
 
     def objective(self, cfg: JobConfig) -> Objective:
         """The objective `train.objective` names, on this rank's logits."""
-        return make_objective(cfg.train, compile_backend(cfg.train), self.run_context.vocab_sharded)
+        return make_objective(cfg.train, compile_backend(cfg.train), self.run_context)
 
     def train_step(self, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: JobConfig, step: int,
                    inspect_grads=None, objective: Objective | None = None) -> StepResult:

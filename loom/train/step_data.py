@@ -27,7 +27,7 @@ from loom.config import JobConfig
 from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter
 from loom.data.loader import GlobalBatches
-from loom.data.sample import Sample
+from loom.data.sample import Sample, SamplePair, sequences_of
 from loom.data.source import BadSamples
 from loom.data.tokenizer import Vocabulary
 from loom.train.build import RankPlan
@@ -44,10 +44,12 @@ class Drawn:
     bad: dict[int, str]  # dataset index → why: found bad when drawn (the same on every rank), left out
 
 
-def draw(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, multiple: int) -> Drawn:
+def draw(batches: GlobalBatches[Sample | SamplePair], step: int, cfg: JobConfig, multiple: int) -> Drawn:
+    """The global batch's items as samples, a DPO pair as its two sequences side by side (both with its index)."""
     shard = batches.shard(step)
     bad = {i: str(s) for s, i in zip(shard, batches.indices(step)) if isinstance(s, BadSample)}
-    good = [(s, i) for s, i in zip(shard, batches.indices(step)) if isinstance(s, Sample)]
+    good = [(s, i) for item, i in zip(shard, batches.indices(step)) if isinstance(item, (Sample, SamplePair))
+            for s in sequences_of(item)]
     if not good:
         raise BadSample(f"step {step + 1}: every sample of the global batch is bad; nothing is left to train on")
     samples, indices, too_long = fitting([s for s, _ in good], [i for _, i in good], cfg, multiple)

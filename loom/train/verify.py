@@ -31,6 +31,7 @@ from loom.train.objective import Objective, make_objective
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.rank_plan import one_process_plan
 from loom.train.resync import resync_from_reference
+from loom.train.runners import RunContext
 from loom.train.step_data import global_batch, step_inputs
 
 AGAINST = ("layout", "compile", "bf16")
@@ -68,8 +69,8 @@ def checked_config(cfg: JobConfig, against: str, distributed: bool) -> JobConfig
 
 def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: torch.device | None = None,
            console: Console | None = None, against: str = "layout",
-           objective: Callable[[str | None, bool], Objective] | None = None) -> list[StepCheck]:
-    """`objective(compile_backend, vocab_sharded)`: the objective both sides train (default: the one
+           objective: Callable[[str | None, RunContext], Objective] | None = None) -> list[StepCheck]:
+    """`objective(compile_backend, run_context)`: the objective both sides train (default: the one
     `train.objective` names); the backend is None when not compiled."""
     if steps < 1:
         raise VerifyUsageError(f"--steps {steps}: verify needs at least one step")
@@ -97,7 +98,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         ref_before, ref_grads = parameters(reference), {}
         ref = ref_plan.train_step(reference, ref_optimizer, full, eager_fp32, step,
                                   inspect_grads=lambda m: ref_grads.update(gradients(m)),
-                                  objective=make(None, False))
+                                  objective=make(None, ref_plan.run_context))
         if not (math.isfinite(ref.loss) and math.isfinite(ref.grad_norm)):
             raise ReferenceNotFinite(
                 f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
@@ -105,7 +106,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         before, grads, notes = parameters(model), {}, first_notes if step == 0 else []
         r = plan.train_step(model, optimizer, mine, cfg, step,
                             inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)),
-                            objective=make(compile_backend(cfg.train), plan.run_context.vocab_sharded))
+                            objective=make(compile_backend(cfg.train), plan.run_context))
         updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
                                   tied_copy_names(model))
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
