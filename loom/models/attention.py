@@ -47,7 +47,7 @@ def _prefix_sdpa(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans) -> torch.Ten
             continue
         mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).tril(diagonal=(ke - ks) - (qe - qs))
         qs_, ks_, vs_ = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
-        outs.append(_sdpa(qs_, ks_, vs_, mask).squeeze(0).transpose(0, 1))
+        outs.append(grouped_sdpa(qs_, ks_, vs_, mask).squeeze(0).transpose(0, 1))
     return torch.cat(outs) if outs else q[:0]
 
 
@@ -97,7 +97,7 @@ def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x.repeat_interleave(n_heads // x.shape[-2], dim=-2)
 
 
-def _sdpa(q, k, v, mask=None, causal=False) -> torch.Tensor:
+def grouped_sdpa(q, k, v, mask=None, causal=False) -> torch.Tensor:
     """SDPA over [batch, heads, seq, dim]; expands grouped K/V heads first (works on every device)."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -113,7 +113,7 @@ def _padded_sdpa(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
         mask = spans.pad_mask[:, None, None, :]  # keys that are real
         if causal:
             mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-    return _sdpa(q, k, v, mask, causal).transpose(1, 2)
+    return grouped_sdpa(q, k, v, mask, causal).transpose(1, 2)
 
 
 @torch.compiler.disable  # a Python loop over samples read from the data: nothing to compile
@@ -125,5 +125,5 @@ def _packed_sdpa(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            outs.append(_sdpa(qs, ks, vs, causal=causal).squeeze(0).transpose(0, 1))
+            outs.append(grouped_sdpa(qs, ks, vs, causal=causal).squeeze(0).transpose(0, 1))
     return torch.cat(outs) if outs else q[:0]

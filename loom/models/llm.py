@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
+from loom.models.kv_cache import KVCache, LayerCache
 from loom.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 
 
@@ -52,7 +53,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans,
+                cache: LayerCache | None = None) -> torch.Tensor:
         # heads inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
@@ -62,7 +64,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         # under autocast the qk norms' fp32 weights promote q, k to fp32: attend in v's dtype (varlen needs bf16)
         q, k = q.to(v.dtype), k.to(v.dtype)
-        out = attend(q, k, v, spans, causal=True)
+        out = attend(q, k, v, spans, causal=True) if cache is None else cache.attend(q, k, v, spans)
         return self.o_proj(out.flatten(-2))
 
 
@@ -74,8 +76,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, spans)
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        # the cache only when there is one: tensor parallel's input plans count a module's arguments
+        h = h + (self.self_attn(x, rope, spans) if cache is None else self.self_attn(x, rope, spans, cache))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -107,14 +112,16 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,
         spans: TokenSpans,
         inserts: dict[int, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits for every token ([tokens] packed or [batch, seq] padded ids). `inserts` maps a placeholder
-        token id to the embeddings that replace its occurrences, in order (modality embeddings).
+        token id to the embeddings that replace its occurrences, in order (modality embeddings); `cache`:
+        generation's keys and values (models/kv_cache.py), written and attended to by every layer.
         Everything runs inside this forward so FSDP's hooks gather the embedding and head weights."""
         h = embed_with_inserts(self.embed_tokens, input_ids, inserts)
         rope = self.rotary(positions, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rope, spans)
+        for name, layer in self.layers.items():
+            h = layer(h, rope, spans) if cache is None else layer(h, rope, spans, cache.layer(name))
         return self.lm_head(self.norm(h))
 
 

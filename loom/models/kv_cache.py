@@ -1,0 +1,73 @@
+"""Keys and values kept across forwards for generation: the prompts prefilled packed, then one token per sequence
+per decode step.
+
+The cache is padded ([sequences, capacity, kv heads, head dim] per layer) with each sequence's length kept
+beside it. A forward hands each layer its `LayerCache`, whose `attend` replaces the layer's attention:
+- prefill (packed spans, THD): every prompt's keys and values are written at positions 0..len − 1 of its row,
+  and the prompts attend among themselves causally, exactly as in training;
+- decode (padded spans, one token per row): the new key and value are written at each row's length, and the
+  query attends to that row's keys up to and including it (a mask per row: rows have different lengths).
+`advance(n)` moves the lengths after every layer has written (n: the tokens each row just received).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend, grouped_sdpa, host_bounds
+
+
+class KVCache:
+    def __init__(self, layers: list[str], sequences: int, capacity: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (sequences, capacity, kv_heads, head_dim)
+        self.layers = {name: LayerCache(self, torch.zeros(shape, dtype=dtype, device=device),
+                                        torch.zeros(shape, dtype=dtype, device=device)) for name in layers}
+        self.lengths = torch.zeros(sequences, dtype=torch.long, device=device)  # keys each row holds
+        self.host_lengths = [0] * sequences
+        self.longest = 0  # the most keys a row holds, known on the host (no device read per layer)
+        self.capacity = capacity
+
+    def layer(self, name: str) -> LayerCache:
+        return self.layers[name]
+
+    def advance(self, tokens: list[int]) -> None:
+        """Every layer has written this forward's keys: each row holds `tokens[row]` more."""
+        self.host_lengths = [n + t for n, t in zip(self.host_lengths, tokens)]
+        self.longest = max(self.host_lengths)
+        self.lengths += torch.as_tensor(tokens, device=self.lengths.device)
+
+
+class LayerCache:
+    def __init__(self, cache: KVCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.cache, self.keys, self.values = cache, keys, values
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: TokenSpans) -> torch.Tensor:
+        if spans.packed:
+            return self._prefill(q, k, v, spans)
+        return self._decode(q, k, v)
+
+    def _prefill(self, q, k, v, spans: TokenSpans) -> torch.Tensor:
+        """Packed prompts [tokens, heads, dim]: row r's prompt goes to positions lengths[r]… of row r."""
+        bounds = host_bounds(spans)
+        row = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=k.device),
+                                      torch.as_tensor([e - s for s, e in zip(bounds, bounds[1:])], device=k.device))
+        offset = torch.arange(k.shape[0], device=k.device) - torch.as_tensor(bounds[:-1], device=k.device)[row]
+        place = self.cache.lengths[row] + offset
+        self.keys[row, place] = k.to(self.keys.dtype)
+        self.values[row, place] = v.to(self.values.dtype)
+        return attend(q, k, v, spans, causal=True)
+
+    def _decode(self, q, k, v) -> torch.Tensor:
+        """One new token per row ([rows, 1, heads, dim]): written at the row's length, attending to its keys."""
+        rows = torch.arange(q.shape[0], device=q.device)
+        at = self.cache.lengths
+        self.keys[rows, at] = k[:, 0].to(self.keys.dtype)
+        self.values[rows, at] = v[:, 0].to(self.values.dtype)
+        span = self.cache.longest + 1  # keys any row can see, this token's included
+        keys, values = self.keys[:, :span], self.values[:, :span]
+        mask = torch.arange(span, device=q.device)[None, :] <= at[:, None]  # [rows, keys]
+        out = grouped_sdpa(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+                    mask[:, None, None, :])
+        return out.transpose(1, 2)

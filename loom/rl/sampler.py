@@ -1,0 +1,97 @@
+"""loom's own batched sampler: G completions per prompt from a whole (unsharded) copy of the policy, with a KV
+cache — the prompts prefilled packed (THD: no padding, each prompt's images and clips through the encoders
+once), then one token per sequence per decode step, batched.
+
+Each sampled token's log-probability is recorded under the distribution it was drawn from before top-p
+truncation: log softmax(logits / temperature), which is what the trainer's scoring computes at GRPO's
+temperature, so the per-step mismatch between the two measures numerics alone. Temperature 0 is greedy (its
+logprobs at temperature 1). A sequence stops after its end-of-sequence token or `max_new_tokens`.
+
+The copy is fed by the weight stream after each update (rl/stream.py: the path an external engine takes), so it
+never shares storage with the sharded training model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loom.data.batch import gather_modality_inputs
+from loom.data.packing import pack_samples
+from loom.data.sample import Sample
+from loom.data.spans import TokenSpans
+from loom.models.kv_cache import KVCache
+from loom.models.multimodal import MultimodalModel
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # the smallest set of tokens whose probability reaches top_p; 1: all
+
+
+@dataclass
+class Completion:
+    tokens: list[int]  # generated, the end-of-sequence token included when it stopped there
+    logprobs: list[float]  # each token's under log softmax(logits / temperature), before top-p
+
+
+class Sampler:
+    def __init__(self, model: MultimodalModel, eos_id: int, pad_id: int, backend: str = "auto") -> None:
+        """`backend`: the prefill's attention (model.attention); decode attends over the cache with SDPA."""
+        self.model, self.eos_id, self.pad_id, self.backend = model, eos_id, pad_id, backend
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Sample], params: SamplingParams, generator: torch.Generator
+                 ) -> list[Completion]:
+        """One completion per prompt (repeat a prompt G times for a group), in order."""
+        model, lm = self.model, self.model.language
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        head = lm.layers[next(iter(lm.layers))].self_attn
+        cache = KVCache(list(lm.layers), len(prompts), max(map(len, prompts)) + params.max_new_tokens,
+                        lm.cfg.num_kv_heads, head.head_dim, next(lm.parameters()).dtype, device)
+        text = [Sample(p.tokens, [False] * len(p), [], []) for p in prompts]
+        batch = pack_samples(text, self.pad_id, backend=self.backend).to(device)
+        embeds = model.encode({k: [x.to(device) for x in v] for k, v in gather_modality_inputs(prompts).items()})
+        logits = lm(batch.input_ids, batch.positions, batch.spans, model.inserts(batch.input_ids, embeds), cache)
+        cache.advance([len(p) for p in prompts])
+        last = logits[batch.spans.cu_seqlens[1:].long() - 1]  # each prompt's next-token logits
+        out = [Completion([], []) for _ in prompts]
+        done = [False] * len(prompts)
+        for step in range(params.max_new_tokens):
+            token, logprob = pick(last, params, generator)
+            for row, (t, lp) in enumerate(zip(token.tolist(), logprob.tolist())):
+                if not done[row]:
+                    out[row].tokens.append(t)
+                    out[row].logprobs.append(lp)
+                    done[row] = t == self.eos_id
+            if all(done) or step == params.max_new_tokens - 1:
+                break
+            # finished rows decode padding (their outputs are ignored): every row keeps one shape
+            fed = torch.where(torch.tensor(done, device=device), self.pad_id, token)[:, None]
+            spans = TokenSpans(max_seqlen=1, backend=self.backend)  # padded, one token per row
+            last = lm(fed, cache.lengths[:, None], spans, None, cache)[:, 0]
+            cache.advance([1] * len(prompts))
+        model.train(was_training)
+        return out
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token per row of [rows, vocab] logits, and its logprob under log softmax(logits / temperature)."""
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits.float(), -1).gather(-1, token[:, None])[:, 0]
+    logp = torch.log_softmax(logits.float() / params.temperature, -1)
+    probs = logp.exp()
+    if params.top_p < 1:
+        ordered, order = probs.sort(-1, descending=True)
+        # keep a token while the mass before it is below top_p: the most likely one always stays
+        keep = (ordered.cumsum(-1) - ordered) < params.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered * keep)
+    token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return token, logp.gather(-1, token[:, None])[:, 0]

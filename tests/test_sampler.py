@@ -1,0 +1,85 @@
+"""The sampler (loom/rl/sampler.py) with its KV cache (loom/models/kv_cache.py): greedy decoding equals
+generation that re-runs the whole prefix (no cache), for prompts of different lengths with images and clips;
+each recorded logprob equals the teacher-forced one of the finished sequence at the sampling temperature; top-p
+keeps the smallest set that reaches p; a seed fixes the samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import sharpen
+
+from loom.data.packing import pack_samples
+from loom.data.sample import Sample
+from loom.rl.sampler import Sampler, SamplingParams, pick
+from loom.train.evaluate import answer_span, greedy_generate
+
+
+def _prompts(samples: list[Sample]) -> list[Sample]:
+    """Each sample cut before its answer: the prompt with its images and clips."""
+    return [Sample(s.tokens[:answer_span(s)[0]], [False] * answer_span(s)[0], s.images, s.audio, s.task)
+            for s in samples]
+
+
+@pytest.fixture
+def prompts(mixed_samples):
+    return _prompts([s for s in mixed_samples if any(s.supervised)])
+
+
+@pytest.fixture
+def model(tiny_model, tok):
+    """Logits far from uniform (no near-ties for greedy decoding to break) that never predict a media
+    placeholder (greedy_generate, the reference, would take a generated one for a media slot)."""
+    model = sharpen(tiny_model)
+    placeholders = list(tok.placeholder_ids.values())
+
+    def never_placeholders(module, args, logits):
+        logits[..., placeholders] = float("-inf")
+        return logits
+
+    model.language.lm_head.register_forward_hook(never_placeholders)
+    return model
+
+
+def test_greedy_with_the_cache_equals_regenerating_the_prefix(model, tok, prompts):
+    sampler = Sampler(model, tok.eos_id, tok.pad_id)
+    got = sampler.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0), torch.Generator())
+    want = greedy_generate(model, [p.tokens for p in prompts], prompts, tok, torch.device("cpu"), 12)
+    assert [c.tokens for c in got] == want
+    assert len({len(p) for p in prompts}) > 1  # prompts of different lengths share the batch
+
+
+def test_recorded_logprobs_are_the_teacher_forced_ones(model, tok, prompts):
+    params = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.9)
+    completions = Sampler(model, tok.eos_id, tok.pad_id).generate(prompts, params,
+                                                                       torch.Generator().manual_seed(3))
+    whole = [Sample(p.tokens + c.tokens, [False] * len(p) + [True] * len(c.tokens), p.images, p.audio)
+             for p, c in zip(prompts, completions)]
+    batch = pack_samples(whole, tok.pad_id)
+    with torch.no_grad():
+        logits = model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
+    logp = torch.log_softmax(logits.float() / params.temperature, -1)
+    starts = batch.spans.cu_seqlens.tolist()
+    for start, p, c in zip(starts, prompts, completions):
+        positions = torch.arange(len(p) - 1, len(p) - 1 + len(c.tokens)) + start  # each token's predictor
+        want = logp[positions, torch.tensor(c.tokens)]
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).expand(4000, 3)
+    g = torch.Generator().manual_seed(0)
+    only_first, _ = pick(logits, SamplingParams(top_p=0.5), g)
+    assert set(only_first.tolist()) == {0}
+    two, logprob = pick(logits, SamplingParams(top_p=0.8), g)
+    assert set(two.tolist()) == {0, 1}
+    assert abs((two == 0).float().mean().item() - 2 / 3) < 0.03  # renormalised over the kept set
+    torch.testing.assert_close(logprob[two == 1], torch.full_like(logprob[two == 1], 0.3).log())  # before top-p
+
+
+def test_a_seed_fixes_the_samples(model, tok, prompts):
+    sampler = Sampler(model, tok.eos_id, tok.pad_id)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    runs = [[c.tokens for c in sampler.generate(prompts, params, torch.Generator().manual_seed(s))]
+            for s in (1, 1, 2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
