@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("--data", required=True, help="JSONL of conversations to score (their assistant turns)")
     score.add_argument("--out", required=True, help="folder for scores.jsonl")
     score.add_argument("--checkpoint", default=None, help="a loom checkpoint (step-N) to score with")
+    rl = sub.add_parser("rl", help="GRPO on the policy's own samples: sample, reward, score, train, repeat ([rl])")
+    rl.add_argument("config", nargs="?", help="TOML job config with train.objective = 'grpo' and an [rl] table")
     evaluate = sub.add_parser("eval", help="held-out metrics of a saved checkpoint on one process (generation too)")
     evaluate.add_argument("checkpoint", help="a checkpoint folder (step-N), or a run's out_dir (its latest)")
     evaluate.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
@@ -128,6 +130,11 @@ def _run(args, cfg) -> int:
             from loom.rl.score_cli import run_score
 
             run_score(cfg, args.out, args.checkpoint, device)
+            return 0
+        if args.command == "rl":
+            from loom.rl.loop import RLLoop
+
+            RLLoop(cfg, device).run()
             return 0
         from loom.train.trainer import Trainer
 

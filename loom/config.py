@@ -197,6 +197,29 @@ class ScoreConfig:
 
 
 @dataclass
+class RLConfig:
+    """[rl]: `loom rl`'s loop — sample G completions per prompt from the policy, reward them, score them, then K
+    GRPO steps over the rollouts (train.objective = "grpo", [train.grpo]), stream the weights to the sampler."""
+
+    iterations: int = 20
+    init: str = ""  # a loom checkpoint (step-N) whose weights the policy starts from (an SFT run's, say)
+    prompts_per_iteration: int = 16  # drawn from the job's training data in a seeded order
+    group_size: int = 4  # G completions per prompt
+    steps_per_iteration: int = 1  # K optimizer steps over the rollouts (train.global_batch_size each)
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # the sampler's (train.grpo.temperature must match)
+    top_p: float = 1.0
+    # "package.module:function" called with (prompt record, completion text) → float; empty: exact match of the
+    # built-in tasks' (or a line's final assistant turn's) answer
+    reward: str = ""
+    advantage: str = choice("group", "group", "mean")  # (r − mean_g) / (std_g + 1e-6), or r − mean_g (Dr. GRPO)
+    equal_groups: str = choice("skip", "skip", "keep")  # groups whose rewards are all equal: no signal
+    prompts_per_sampling_batch: int = 8  # prompts (× G rows) one sampler call decodes together
+    save_every: int = 0  # iterations between checkpoints (0: at the end only)
+    eval_every: int = 0  # iterations between held-out exact-match evaluations (0: at the end only)
+
+
+@dataclass
 class JobConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -205,6 +228,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -288,6 +312,19 @@ def check_values(cfg: JobConfig) -> None:
         check_non_negative({"train.dpo.sft_weight": t.dpo.sft_weight})
     if t.reference not in ("none", "initial") and not Path(t.reference).is_dir():
         raise ConfigError(f"train.reference = {t.reference!r}: no such checkpoint folder (or 'none', 'initial')")
+    r = cfg.rl
+    check_positive({"rl.iterations": r.iterations, "rl.prompts_per_iteration": r.prompts_per_iteration,
+                    "rl.group_size": r.group_size, "rl.steps_per_iteration": r.steps_per_iteration,
+                    "rl.max_new_tokens": r.max_new_tokens, "rl.top_p": r.top_p,
+                    "rl.prompts_per_sampling_batch": r.prompts_per_sampling_batch})
+    check_non_negative({"rl.temperature": r.temperature, "rl.save_every": r.save_every,
+                        "rl.eval_every": r.eval_every})
+    if r.init and not Path(r.init).is_dir():
+        raise ConfigError(f"rl.init = {r.init!r}: no such checkpoint folder")
+    if r.top_p > 1:
+        raise ConfigError(f"rl.top_p = {r.top_p} must be in (0, 1]")
+    if r.reward and (r.reward.count(":") != 1 or not all(r.reward.split(":"))):
+        raise ConfigError(f"rl.reward = {r.reward!r}: expected \"package.module:function\"")
     if t.grpo.dual_clip and t.grpo.dual_clip <= 1:
         raise ConfigError(f"train.grpo.dual_clip = {t.grpo.dual_clip} must be > 1 (0: off)")
     for name in ("vision", "audio", "language"):

@@ -73,6 +73,12 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of generated ids, up to the end-of-turn token, special tokens skipped (a reward reads it)."""
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     **self.specials)

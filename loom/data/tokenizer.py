@@ -17,6 +17,8 @@ class Vocabulary(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    def decode(self, ids: list[int]) -> str: ...  # generated text, up to the end of the answer
+
 
 class ByteTokenizer:
     """Ids 0..255 are raw bytes; the special tokens follow."""

@@ -67,6 +67,7 @@ class ReferencePolicy:
             batch.fields[TOKEN] = torch.arange(batch.labels.numel(), device=batch.labels.device,
                                                dtype=torch.float32).view_as(batch.labels)
         recorder = _Recorder(self.temperature)
+        reshard(model)  # a forward-only pass before this one (scoring, held-out) left the root unit unsharded
         self.swap()
         try:
             forward_pass(plan, model, inputs, recorder)
@@ -99,6 +100,8 @@ class _Recorder:
     def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         keep = batch.labels != IGNORE_INDEX
         lp = chunked_token_stats(logits, batch.labels, self.temperature).logprobs  # fp32 a chunk at a time
+        if not batch.labels.numel():  # an empty microbatch (a replica without samples): nothing to record
+            return torch.zeros((), device=batch.labels.device)
         microbatch = int(batch.fields[MICROBATCH].reshape(-1)[0])  # host data: before the step, a sync is fine
         self.records[microbatch] = (batch.fields[TOKEN][keep].long().cpu(), lp[keep].float().cpu())
         return torch.zeros((), device=batch.labels.device)

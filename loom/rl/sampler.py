@@ -42,6 +42,8 @@ class Sampler:
     def __init__(self, model: MultimodalModel, eos_id: int, pad_id: int, backend: str = "auto") -> None:
         """`backend`: the prefill's attention (model.attention); decode attends over the cache with SDPA."""
         self.model, self.eos_id, self.pad_id, self.backend = model, eos_id, pad_id, backend
+        # media placeholders are inputs only: a sampled one would stand for rows no encoder made
+        self.never = list(model.placeholder_ids.values())
 
     @torch.no_grad()
     def generate(self, prompts: list[Sample], params: SamplingParams, generator: torch.Generator
@@ -63,7 +65,7 @@ class Sampler:
         out = [Completion([], []) for _ in prompts]
         done = [False] * len(prompts)
         for step in range(params.max_new_tokens):
-            token, logprob = pick(last, params, generator)
+            token, logprob = pick(last, params, generator, self.never)
             for row, (t, lp) in enumerate(zip(token.tolist(), logprob.tolist())):
                 if not done[row]:
                     out[row].tokens.append(t)
@@ -80,14 +82,19 @@ class Sampler:
         return out
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, never: list[int] = ()
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token per row of [rows, vocab] logits, and its logprob under log softmax(logits / temperature)."""
+    """A token per row of [rows, vocab] logits — never one of `never` — and its logprob under the policy's
+    log softmax(logits / temperature), before top-p and before `never` is taken out."""
     if params.temperature == 0:
-        token = logits.argmax(-1)
+        allowed = logits.float().index_fill(-1, torch.tensor(never, dtype=torch.long, device=logits.device),
+                                            float("-inf")) if never else logits
+        token = allowed.argmax(-1)
         return token, torch.log_softmax(logits.float(), -1).gather(-1, token[:, None])[:, 0]
     logp = torch.log_softmax(logits.float() / params.temperature, -1)
     probs = logp.exp()
+    if never:
+        probs = probs.index_fill(-1, torch.tensor(never, dtype=torch.long, device=probs.device), 0.0)
     if params.top_p < 1:
         ordered, order = probs.sort(-1, descending=True)
         # keep a token while the mass before it is below top_p: the most likely one always stays

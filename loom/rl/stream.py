@@ -35,17 +35,21 @@ class StreamedTensor:
     owner: int  # the rank that broadcasts it (0 on one process)
 
 
-def stream_manifest(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> list[StreamedTensor]:
-    """What the stream will carry, in order; collective under torchrun (every rank says what it holds)."""
+def stream_manifest(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, projectors: bool = False
+                    ) -> list[StreamedTensor]:
+    """What the stream will carry, in order; collective under torchrun (every rank says what it holds). With
+    `projectors`, each encoder's projector follows, in loom's names (module "<encoder>.projector"): loom's own
+    sampler needs them, and they have no Hugging Face counterpart."""
     twins = tied_copy_names(model)
-    held = sorted(n for n in model.state_dict() if n not in twins)
+    held = {n: tuple(t.shape) for n, t in sorted(model.state_dict().items()) if n not in twins}
     holders = [held]
     if dist.is_initialized():
         holders = [None] * dist.get_world_size()
         dist.all_gather_object(holders, held)
-    owner = {}
+    owner, shapes = {}, {}
     for rank, names in reversed(list(enumerate(holders))):  # the lowest rank that holds a tensor sends it
         owner.update(dict.fromkeys(names, rank))
+        shapes.update(names)
     out = []
     for kind in ["language", *cfg.encoders]:
         prefix = "language." if kind == "language" else f"{kind}.encoder."
@@ -54,13 +58,17 @@ def stream_manifest(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> l
         for name, shape in expected.items():
             out.append(StreamedTensor(kind, hf_name(kind, name, EXPORT_PREFIXES[kind]), shape, dtype,
                                       prefix + name, owner[prefix + name]))
+    for kind in cfg.encoders if projectors else ():
+        prefix = f"{kind}.projector."
+        out += [StreamedTensor(prefix[:-1], name[len(prefix):], shapes[name], dtype, name, owner[name])
+                for name in sorted(shapes) if name.startswith(prefix)]
     return out
 
 
-def stream_weights(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16
+def stream_weights(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, projectors: bool = False
                    ) -> tuple[list[StreamedTensor], Iterator[tuple[StreamedTensor, torch.Tensor]]]:
     """(the manifest, then each of its tensors whole, cast to `dtype`, on every rank, one at a time)."""
-    manifest = stream_manifest(model, cfg, dtype)
+    manifest = stream_manifest(model, cfg, dtype, projectors)
     return manifest, _tensors(model, manifest)
 
 

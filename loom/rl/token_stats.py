@@ -107,7 +107,7 @@ def chunked_token_stats(logits: torch.Tensor, labels: torch.Tensor, temperature:
     local = shard.local.reshape(-1, shard.local.shape[-1])
     flat = labels.reshape(-1)
     parts = []
-    for start in range(0, flat.numel(), chunk):
+    for start in range(0, max(flat.numel(), 1), chunk):  # one empty chunk for an empty microbatch
         piece = slice(start, start + chunk)
 
         def stats(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 
 from loom.bridge.replica_rows import ReplicaRows
 from loom.config import ConfigError, JobConfig
-from loom.data.batch import Batch, pad_samples, round_up, supervised_count, supervised_sequences
+from loom.data.batch import Batch, field_names, pad_samples, round_up, supervised_count, supervised_sequences
 from loom.data.bins import assign_bins, bin_stats
 from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
@@ -93,8 +93,9 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: in
     step = math.lcm(multiple, COMPILED_TOKEN_MULTIPLE) if cfg.train.compile else multiple
     if d.format != "thd":
         return pad_samples(samples, tok.pad_id, step, backend=backend, length=length or 0, rows=rows)
-    batch = pack_samples(samples, tok.pad_id, multiple, length or round_up(packed_length(samples, multiple), step),
-                         backend=backend)
+    # a share without samples (fewer samples than replicas: RL's rollouts) is one filler segment, not 0 tokens
+    batch = pack_samples(samples, tok.pad_id, multiple,
+                         length or max(round_up(packed_length(samples, multiple), step), step), backend=backend)
     if length and cfg.train.compile:
         # fixed shapes, so a compiled block never recompiles: cu_seqlens of a fixed length (at most one segment
         # per sample of the global batch, plus the filler; each holds ≥ `multiple` tokens) and max_seqlen = T
@@ -243,6 +244,7 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
     padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
     micro, real, failed = [], 0, {}
+    fields = field_names(samples)  # the global batch's token fields: every microbatch carries them
     for llm_parts in parts:
         mine = [samples[p] for p in llm_parts[llm_rank]] if llm_rank is not None else []
         real += sum(len(s) for s in mine)
@@ -256,7 +258,12 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])
         # the LLM's part goes without media: the encoders' parts above carry them
         text = [dataclasses.replace(s, images=[], audio=[]) for s in mine]
-        llm = collate(text, cfg, tok, multiple, length, padded_rows).to(device) if llm_rank is not None else None
+        llm = None
+        if llm_rank is not None:
+            llm = collate(text, cfg, tok, multiple, length, padded_rows)
+            for name in fields - llm.fields.keys():  # a microbatch without samples (an empty bin) carries zeros
+                llm.fields[name] = torch.zeros(llm.labels.shape)
+            llm = llm.to(device)
         micro.append(StepBatch(llm, items, counts))
     stats = {}
     if cfg.data.tokens_per_microbatch:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from loom.config import JobConfig
 from loom.data.sample import Sample
 from loom.distributed import CollectiveStalled, is_stalled_collective, stalled_message
+from loom.parallel.materialize import WeightSource
 from loom.train.build import build_job
 from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
 from loom.checkpoint.sharded import begin_save, load_sharded
@@ -30,10 +31,13 @@ HEALTH = "health: which ranks stopped answering (gloo)"
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, device: torch.device | None = None) -> None:
+    def __init__(self, cfg: JobConfig, device: torch.device | None = None, weights: WeightSource | None = None
+                 ) -> None:
+        """`weights`: where the run's first weights come from instead of the folders and seeded draws (`loom
+        rl`'s rl.init checkpoint); a resumed run then loads its own checkpoint over them."""
         self.resume_from = resume_path(cfg.run.resume, cfg.run.out_dir)  # files only: the same on every rank
         # a resumed run takes its weights from the checkpoint: no Hugging Face folder is read
-        job = build_job(cfg, device, pretrained=self.resume_from is None)
+        job = build_job(cfg, device, pretrained=self.resume_from is None, weights=weights)
         self.cfg = cfg = job.cfg
         self.device, self.tok, self.model, self.counters = job.device, job.tok, job.model, job.counters
         self.data = job.data

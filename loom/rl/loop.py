@@ -1,0 +1,235 @@
+"""`loom rl CONFIG`: GRPO on the policy's own samples, an iteration at a time, under the job's layout.
+
+A command of its own rather than `[rl]` read by `loom train`: its unit is an iteration, not a step, and its
+samples come from the policy rather than from the dataset. It reuses everything else of a training run: the
+Trainer's build (model, layout, optimizer, reference policy), its step program, checkpoints and metrics.
+
+One iteration, on every rank:
+1. stream the policy's weights into the sampler's copy (rl/rollouts.py `PolicyCopy`);
+2. draw `rl.prompts_per_iteration` prompts from the job's training data (seeded: the same on every rank and
+   layout) and sample G completions of each (`sample_rollouts`);
+3. reward each (rl/rewards.py), normalise within each group into advantages, drop what cannot be trained on
+   (a reward that failed, a group whose rewards are all equal under rl.equal_groups = "skip");
+4. score the rollouts with the trainer's own forward (rl/score.py) on the weights that sampled them: the
+   behaviour logprobs GRPO's ratio reads, and the mismatch against the sampler's;
+5. K = rl.steps_per_iteration GRPO steps over the rollouts, a seeded 1/K of them each.
+Checkpoints are taken between iterations only, so a resumed run restarts an iteration from its beginning: with
+the same prompts, seeds and weights it draws and trains exactly what the first run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from loom.checkpoint.read import CheckpointWeights
+from loom.config import ConfigError, JobConfig
+from loom.data.batch import round_up
+from loom.data.loader import GlobalBatches
+from loom.data.sample import Sample, sequences_of
+from loom.rl.rewards import all_equal, group_advantages, load_reward, reward_of
+from loom.rl.rollouts import PolicyCopy, Prompt, Rollout, sample_rollouts
+from loom.rl.sampler import Sampler, SamplingParams
+from loom.rl.score import score_samples
+from loom.train.evaluate import answer_span, evaluate
+from loom.train.inputs import limit, plan_inputs
+from loom.train.metrics import MetricsLogger
+from loom.train.trainer import Trainer
+
+
+class TrainingPrompts(Sequence):
+    """The job's training samples as prompts: each cut where its (last) answer starts; the answer's text is
+    the record's `answer`, which the default reward matches."""
+
+    def __init__(self, samples: Sequence, tok) -> None:
+        self.samples, self.tok = samples, tok
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Prompt:
+        s = sequences_of(self.samples[i])[0]
+        start, end = answer_span(s)
+        prompt = Sample(s.tokens[:start], [False] * start, s.images, s.audio, s.task, s.where)
+        record = {"task": s.task, "answer": self.tok.decode(s.tokens[start:end])}
+        return Prompt(prompt, record, s.where or f"task {s.task!r}, sample {i}")
+
+
+class RLLoop:
+    def __init__(self, cfg: JobConfig, device: torch.device | None = None) -> None:
+        r = cfg.rl
+        if cfg.train.objective != "grpo":
+            raise ConfigError(f"loom rl trains with GRPO: set train.objective = 'grpo' (it is "
+                              f"{cfg.train.objective!r})")
+        if r.temperature and r.temperature != cfg.train.grpo.temperature:  # greedy (0) scores at 1
+            raise ConfigError(f"rl.temperature = {r.temperature} samples, train.grpo.temperature = "
+                              f"{cfg.train.grpo.temperature} scores: the ratio needs them equal")
+        self.reward = load_reward(r.reward)  # a missing function is found before any weight is read
+        # the learning-rate schedule spans the run's optimizer steps
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=r.iterations * r.steps_per_iteration))
+        self.trainer = t = Trainer(cfg, device, CheckpointWeights(r.init) if r.init else None)
+        self.cfg = t.cfg
+        self.prompts = TrainingPrompts(t.data.train, t.tok)
+        self.order = GlobalBatches(self.prompts, min(r.prompts_per_iteration, len(self.prompts)), cfg.data.seed)
+        self.copy = PolicyCopy(self.cfg, t.tok, t.device)
+        self.sampler = Sampler(self.copy.model, t.tok.eos_id, t.tok.pad_id, cfg.model.attention)
+        self.params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p)
+        self.iteration = t.step // r.steps_per_iteration
+
+    def run(self) -> dict[str, float]:
+        cfg, r, t = self.cfg, self.cfg.rl, self.trainer
+        out = Path(cfg.run.out_dir)
+        log = MetricsLogger(out, r.iterations, cfg.run.tensorboard, cfg.run.progress, enabled=t.plan.is_logger)
+        log.print(f"loom rl: {r.iterations} iterations of {r.prompts_per_iteration} prompts × {r.group_size} "
+                  f"completions, {r.steps_per_iteration} GRPO step(s) each → {out}")
+        final = {}
+        try:
+            while self.iteration < r.iterations:
+                metrics = self.iterate()
+                log.log(self.iteration, metrics)
+                status = (f"reward {metrics['rl/reward_mean']:.3f}  kl {metrics.get('grpo/kl', 0.0):.4f}  "
+                          f"sample tok/s {metrics['rl/sample_tokens_per_s']:,.0f}")
+                log.progress(self.iteration, status,
+                             self.iteration % cfg.train.log_every == 0 or self.iteration == r.iterations)
+                if r.eval_every and self.iteration % r.eval_every == 0 and self.iteration < r.iterations:
+                    log.log(self.iteration, self.evaluate(), kind="heldout")
+                if r.save_every and self.iteration % r.save_every == 0:
+                    t.checkpoint()
+            log.finish_progress()
+            if not (r.save_every and self.iteration % r.save_every == 0):
+                t.checkpoint()
+            t.finish_save()
+            final = self.evaluate()
+            if final:
+                log.log(self.iteration, final, kind="heldout")
+        finally:
+            log.close()
+        return final
+
+    def iterate(self) -> dict[str, float]:
+        """Iteration `self.iteration` (see the module docstring), then the next one's number; its metrics."""
+        metrics = self._iteration()
+        self.iteration += 1
+        return metrics
+
+    def _iteration(self) -> dict[str, float]:
+        cfg, r, t = self.cfg, self.cfg.rl, self.trainer
+        start = time.perf_counter()
+        self.copy.refresh(t.model)
+        prompts, too_long = self._fitting([self.prompts[i] for i in self.order.indices(self.iteration)])
+        rollouts = sample_rollouts(self.sampler, prompts, self.params, r.group_size, r.prompts_per_sampling_batch,
+                                   cfg.train.seed, self.iteration)
+        sampled = time.perf_counter()
+        kept, counts = self._rewarded(prompts, rollouts)
+        samples = [_rollout_sample(prompts[ro.prompt].sample, ro) for ro in kept]
+        metrics = {"rl/reward_mean": _mean([ro.reward for ro in rollouts if ro.reward is not None]),
+                   "rl/reward_std": _std([ro.reward for ro in rollouts if ro.reward is not None]),
+                   "rl/response_length": _mean([len(ro.completion.tokens) for ro in rollouts]),
+                   "rl/sample_tokens_per_s": sum(len(ro.completion.tokens) for ro in rollouts) / (sampled - start),
+                   "rl/prompts_too_long": float(too_long), **counts}
+        if not samples:
+            return metrics
+        metrics["rl/logprob_mismatch"] = self._score_behaviour(samples, kept)
+        trained, tokens = time.perf_counter(), 0
+        step_metrics: list[dict[str, float]] = []
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.train.seed + self.iteration))
+        for k in range(r.steps_per_iteration):
+            part = [samples[i] for i in order[k :: r.steps_per_iteration].tolist()]
+            if not part:
+                continue
+            inputs = plan_inputs(part, list(range(len(part))), cfg, t.tok, t.counters, t.plan.shares,
+                                 t.plan.sample_multiple, t.device)
+            result = t.plan.train_step(t.model, t.optimizer, inputs, cfg, t.step)
+            t.step += 1
+            tokens += inputs.global_tokens
+            step_metrics.append({"loss": result.loss, "grad_norm": result.grad_norm,
+                                 **{f"grpo/{name}": v for name, v in result.metrics.items()}})
+        metrics["rl/train_tokens_per_s"] = tokens / (time.perf_counter() - trained)
+        metrics.update({k: _mean([m[k] for m in step_metrics]) for k in step_metrics[0]} if step_metrics else {})
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out exact match of greedy answers from the sampler's copy (refreshed: the policy's weights now),
+        the same on every rank."""
+        held = self.trainer.data.heldout
+        if not held:
+            return {}
+        self.copy.refresh(self.trainer.model)
+        return evaluate(self.copy.model, held, self.trainer.tok, self.trainer.device,
+                        self.cfg.train.eval_max_new_tokens, self.cfg.model.attention)
+
+    def _fitting(self, prompts: list[Prompt]) -> tuple[list[Prompt], int]:
+        """The prompts whose rollouts (prompt + rl.max_new_tokens) fit a microbatch; the others are named once."""
+        key, budget = limit(self.cfg)
+        if not budget:
+            return prompts, 0
+        need = [round_up(len(p.sample) + self.cfg.rl.max_new_tokens, self.trainer.plan.sample_multiple)
+                for p in prompts]
+        long = [p for p, n in zip(prompts, need) if n > budget]
+        if long and self.trainer.plan.is_logger:
+            print(f"loom rl: {len(long)} prompts skipped: {long[0].where}: {len(long[0].sample)} prompt tokens + "
+                  f"rl.max_new_tokens = {self.cfg.rl.max_new_tokens} exceed {key} = {budget}")
+        return [p for p, n in zip(prompts, need) if n <= budget], len(long)
+
+    def _rewarded(self, prompts: list[Prompt], rollouts: list[Rollout]) -> tuple[list[Rollout], dict[str, float]]:
+        """Rewards and advantages; what is trained on, and the counts of what is not."""
+        cfg, tok = self.cfg.rl, self.trainer.tok
+        problems, empty, equal, kept = [], 0, 0, []
+        for ro in rollouts:
+            text = tok.decode(ro.completion.tokens)
+            empty += not text.strip()
+            ro.reward, why = reward_of(self.reward, prompts[ro.prompt].record, text, prompts[ro.prompt].where)
+            if why:
+                problems.append(why)
+        for p in range(len(prompts)):
+            group = [ro for ro in rollouts if ro.prompt == p and ro.reward is not None]
+            if not group:
+                continue
+            rewards = [ro.reward for ro in group]
+            if all_equal(rewards):
+                equal += 1
+                if cfg.equal_groups == "skip":
+                    continue
+            for ro, a in zip(group, group_advantages(rewards, cfg.advantage)):
+                ro.advantage = a
+                kept.append(ro)
+        if problems and self.trainer.plan.is_logger:
+            print(f"loom rl: {len(problems)} completions without a reward, e.g. {problems[0]}")
+        return kept, {"rl/reward_errors": float(len(problems)), "rl/empty_completions": float(empty),
+                      "rl/equal_reward_groups": float(equal), "rl/trained_rollouts": float(len(kept))}
+
+    def _score_behaviour(self, samples: list[Sample], kept: list[Rollout]) -> float:
+        """The trainer's logprobs of each completion on the sampling weights become its `logprobs` field; the
+        mean |sampler's − trainer's| is returned."""
+        t = self.trainer
+        scores = score_samples(t.plan, t.model, samples, self.cfg, t.tok, t.counters, t.device, 0,
+                               self.cfg.train.grpo.temperature)
+        gaps = []
+        for sample, score, ro in zip(samples, scores, kept):
+            first = len(sample) - len(ro.completion.tokens) - 1  # the label position of the first completion token
+            field = [0.0] * len(sample)
+            field[first:first + len(score.logprobs)] = score.logprobs
+            sample.token_fields["logprobs"] = field
+            gaps += [abs(a - b) for a, b in zip(score.logprobs, ro.completion.logprobs)]
+        return _mean(gaps)
+
+
+def _rollout_sample(prompt: Sample, ro: Rollout) -> Sample:
+    """The prompt and its completion as a training sample: the completion its targets, its advantage a field."""
+    n = len(prompt) + len(ro.completion.tokens)
+    return Sample(prompt.tokens + ro.completion.tokens, [False] * len(prompt) + [True] * len(ro.completion.tokens),
+                  prompt.images, prompt.audio, prompt.task, prompt.where, {"advantage": [ro.advantage] * n})
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _std(values: list[float]) -> float:
+    m = _mean(values)
+    return math.sqrt(_mean([(v - m) ** 2 for v in values]))

@@ -1,0 +1,121 @@
+"""`loom rl` (loom/rl/loop.py): rewards and group advantages; a user's reward that raises or returns NaN is
+named and counted, never fatal; the loop runs two iterations on one process and on 4 ranks (a heterogeneous
+layout, and pp2), and a resumed run continues bit for bit."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+from conftest import tiny_job_overrides
+
+from loom.config import ConfigError
+from loom.job import load_config
+from loom.rl.rewards import all_equal, exact_match, group_advantages, load_reward, reward_of
+
+
+def test_group_advantages_and_exact_match():
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], "mean") == [0.5, -0.5, -0.5, 0.5]
+    std = math.sqrt(sum((r - 0.25) ** 2 for r in [1.0, 0.0, 0.0, 0.0]) / 3)
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], "group") == pytest.approx(
+        [0.75 / (std + 1e-6), -0.25 / (std + 1e-6), -0.25 / (std + 1e-6), -0.25 / (std + 1e-6)])
+    assert all_equal([0.5, 0.5]) and not all_equal([0.5, 0.4])
+    assert exact_match({"answer": "12"}, " 12 ") == 1.0 and exact_match({"answer": "12"}, "21") == 0.0
+
+
+def test_a_failing_reward_is_named_and_not_fatal(monkeypatch):
+    module = types.ModuleType("user_rewards")
+    module.raises = lambda record, text: 1 / 0
+    module.nan = lambda record, text: float("nan")
+    module.not_a_function = 3
+    monkeypatch.setitem(sys.modules, "user_rewards", module)
+    assert reward_of(load_reward("user_rewards:raises"), {}, "x", "data.jsonl:7") == (
+        None, "data.jsonl:7: the reward function raised ZeroDivisionError: division by zero")
+    assert reward_of(load_reward("user_rewards:nan"), {}, "x", "data.jsonl:8") == (
+        None, "data.jsonl:8: the reward function returned nan, not a finite number")
+    with pytest.raises(ConfigError, match="rl.reward = 'user_rewards:not_a_function' is a int"):
+        load_reward("user_rewards:not_a_function")
+    with pytest.raises(ConfigError, match="rl.reward = 'user_rewards:missing'"):
+        load_reward("user_rewards:missing")
+
+
+def varied_reward(record: dict, completion: str) -> float:
+    """A reward an untrained model's completions already vary in (exact match would be 0 everywhere)."""
+    return float(len(completion) % 3)
+
+
+RL = ["--rl.reward=test_rl_loop:varied_reward", "--train.objective=grpo", "--rl.iterations=2",
+      "--rl.prompts_per_iteration=4", "--rl.group_size=2", "--rl.max_new_tokens=6", "--rl.steps_per_iteration=2",
+      "--train.reference=initial", "--train.grpo.kl_beta=0.1", "--data.train_size=64", "--data.heldout_size=4",
+      "--train.eval_max_new_tokens=4"]
+
+
+def _loop(root, *extra):
+    from loom.rl.loop import RLLoop
+
+    return RLLoop(load_config("configs/tiny.toml", tiny_job_overrides(root, *RL, *extra)))
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def test_two_iterations_train_and_a_resume_continues_bit_for_bit(tmp_path):
+    """Two iterations straight, against one iteration, a checkpoint, and a resumed second: the same weights."""
+    straight = _loop(tmp_path / "straight")
+    initial = _weights(straight.trainer.model)
+    metrics = [straight.iterate() for _ in range(2)]
+    assert straight.trainer.step == 4  # K = 2 steps per iteration
+    for m in metrics:
+        assert m["rl/trained_rollouts"] > 0
+        assert m["rl/trained_rollouts"] + 2 * m["rl/equal_reward_groups"] == 8  # 4 prompts × G = 2
+        assert m["rl/logprob_mismatch"] < 1e-5  # the sampler's fp32 copy and the trainer agree
+    assert any(not torch.equal(initial[n], w) for n, w in _weights(straight.trainer.model).items())
+    first = _loop(tmp_path / "resumed", "--rl.save_every=1")
+    first.iterate()
+    first.trainer.checkpoint()
+    again = _loop(tmp_path / "resumed", "--run.resume=auto")
+    assert again.iteration == 1 and again.trainer.step == 2
+    again.iterate()
+    want, got = _weights(straight.trainer.model), _weights(again.trainer.model)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def _first_iterations(root: str, overrides: list[str]) -> list[dict[str, float]]:
+    import torch.distributed as dist
+
+    from loom.rl.loop import RLLoop
+
+    world = dist.get_world_size() if dist.is_initialized() else None
+    cfg = load_config("configs/tiny.toml", tiny_job_overrides(root, *RL, *overrides), world_size=world)
+    loop = RLLoop(cfg)
+    return [loop.iterate() for _ in range(2)]
+
+
+LAYOUTS = {  # 4 ranks: loom's default heterogeneous layout, and the LLM pipelined
+    "heterogeneous": ["--layout.vision.tp=2", "--layout.audio.tp=1", "--layout.language.tp=1"],
+    "llm-pp2": ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=256"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_loop_under_a_layout_starts_as_one_process_does(worlds, tmp_path, name):
+    """The first iteration samples from the same weights on every layout, so its completions, rewards and
+    trained rollouts are the one process's exactly, and its GRPO loss equal to rounding; the second runs too."""
+    per_rank = worlds.run(4, _first_iterations, str(tmp_path / "layout"), LAYOUTS[name], timeout=300)
+    alone = _first_iterations(str(tmp_path / "alone"), [o for o in LAYOUTS[name] if "layout." not in o])
+    def measured(iterations):  # all but the speeds, which each rank times itself
+        return [{k: v for k, v in m.items() if not k.endswith("_per_s")} for m in iterations]
+
+    for rank, iterations in enumerate(per_rank):
+        assert measured(iterations) == measured(per_rank[0]), f"rank {rank} reported other metrics than rank 0"
+    first, want = per_rank[0][0], alone[0]
+    for key in ("rl/reward_mean", "rl/response_length", "rl/trained_rollouts", "rl/equal_reward_groups"):
+        assert first[key] == want[key], key
+    assert first["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert per_rank[0][1]["rl/trained_rollouts"] > 0
