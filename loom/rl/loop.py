@@ -179,10 +179,11 @@ class RLLoop:
     def _rewarded(self, prompts: list[Prompt], rollouts: list[Rollout]) -> tuple[list[Rollout], dict[str, float]]:
         """Rewards and advantages; what is trained on, and the counts of what is not."""
         cfg, tok = self.cfg.rl, self.trainer.tok
-        problems, empty, equal, kept = [], 0, 0, []
+        problems, empty, equal, kept = [], [], 0, []
         for ro in rollouts:
             text = tok.decode(ro.completion.tokens)
-            empty += not text.strip()
+            if not text.strip():
+                empty.append(prompts[ro.prompt].where)
             ro.reward, why = reward_of(self.reward, prompts[ro.prompt].record, text, prompts[ro.prompt].where)
             if why:
                 problems.append(why)
@@ -200,7 +201,9 @@ class RLLoop:
                 kept.append(ro)
         if problems and self.trainer.plan.is_logger:
             print(f"loom rl: {len(problems)} completions without a reward, e.g. {problems[0]}")
-        return kept, {"rl/reward_errors": float(len(problems)), "rl/empty_completions": float(empty),
+        if empty and self.trainer.plan.is_logger:  # trained on (an answer that stops at once is an answer)
+            print(f"loom rl: {len(empty)} empty completions, e.g. of {empty[0]}")
+        return kept, {"rl/reward_errors": float(len(problems)), "rl/empty_completions": float(len(empty)),
                       "rl/equal_reward_groups": float(equal), "rl/trained_rollouts": float(len(kept))}
 
     def _score_behaviour(self, samples: list[Sample], kept: list[Rollout]) -> float:
