@@ -125,3 +125,29 @@ def test_row_budgets_by_hand():
     assert rows(["--layout.vision.tp=4", "--layout.vision.sequence_parallel=true"], 4)["vision"] == (448, 8)
     assert rows(["--layout.vision.tp=2", "--layout.vision.sequence_parallel=true",
                  "--data.encoder_rows_per_microbatch.vision=130"], 4)["vision"] == (192, 8)
+
+
+def test_cuda_graphs_only_for_fixed_shape_blocks(monkeypatch):
+    """train.compile_mode = 'reduce-overhead' reaches the LLM's blocks (fixed T), not the encoders' (symbolic rows:
+    a graph per row count); it needs inductor and a token budget, else a config error names what is missing."""
+    import pytest
+
+    from loom.config import ConfigError
+    from loom.models.multimodal import build_model
+    from loom.parallel.compile import compile_blocks
+
+    graphs = ["--train.compile=true", "--train.compile_mode=reduce-overhead", "--data.tokens_per_microbatch=256"]
+    cfg = load_config(None, graphs)
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.setdefault(fn.__self__.__class__.__name__, kw) and fn)
+    m = cfg.model
+    model = build_model(m.language, m.vision, m.audio, {"vision": 5, "audio": 6})
+    for name, module in model.named_children():
+        if name in ("language", *cfg.model.encoders):
+            compile_blocks(name, module, cfg)
+    assert seen["DecoderLayer"]["mode"] == "reduce-overhead" and seen["DecoderLayer"]["dynamic"] is None
+    assert all(kw["mode"] is None and kw["dynamic"] for k, kw in seen.items() if k != "DecoderLayer")
+    assert len(seen) > 1  # the encoders' blocks were seen too
+    for missing in (["--data.tokens_per_microbatch=0"], ["--train.compile_backend=aot_eager"]):
+        with pytest.raises(ConfigError, match="compile_mode"):
+            load_config(None, graphs + missing)

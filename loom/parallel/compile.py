@@ -46,8 +46,10 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
     # an encoder's rows follow the data (rounded to ROW_MULTIPLE, not padded to the budget): traced
     # symbolically from the first call, resumed frames after a graph break too, so no row count recompiles
     dynamic = True if name in budgets else None
+    # CUDA graphs only where shapes are fixed: an encoder's symbolic rows would capture a graph per row count
+    mode = cfg.train.compile_mode if cfg and dynamic is None and cfg.train.compile_mode != "default" else None
     for block in transformer_blocks(name, module):
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic)
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic, mode=mode)
 
 
 def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
