@@ -52,7 +52,11 @@ def sdpa_rows(q, k, v, bounds, backend):
 
 
 def varlen_rows(q, k, v, bounds):
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
+    # torch 2.11 expresses causality as window_size=(-1, 0), later releases also as is_causal (as loom's `_varlen`)
+    causal = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
     cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     grad = torch.randn_like(q)
@@ -62,7 +66,7 @@ def varlen_rows(q, k, v, bounds):
     def run():
         # torch 2.11's varlen_attn takes equal heads: K/V repeated, as loom's `_repeat_kv`
         kk, vv = (t.repeat_interleave(rep, dim=1) for t in (k, v))
-        out = varlen_attn(q, kk, vv, cu, cu, longest, longest, is_causal=True)
+        out = varlen_attn(q, kk, vv, cu, cu, longest, longest, **causal)
         out.backward(grad)
         return out
     return run

@@ -67,9 +67,15 @@ def main() -> None:
     p.add_argument("--busy", type=int, default=0,
                    help="after the timed steps, this many more queued behind a sleep: the GPU's busy fraction by "
                         "CUDA events (bench/busy.py)")
+    p.add_argument("--flash-impl", default="",
+                   help="activate this flash attention implementation first (torch.nn.attention."
+                        "activate_flash_attention_impl, e.g. FA4): aten's flash ops, so varlen and SDPA's flash "
+                        "backend, run it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config override")
     args = p.parse_args()
     device = init_distributed("auto")
+    if args.flash_impl:
+        torch.nn.attention.activate_flash_attention_impl(args.flash_impl)
     gpu = device.type == "cuda"
     per_step = args.tokens // args.seq
     total = args.warmup + args.steps
@@ -117,7 +123,7 @@ def main() -> None:
         "bench": "llm", "model": "small" if args.small else "qwen3-1.7b", "seq": args.seq,
         "tokens_per_step": args.tokens,
         "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
-        "commit": os.environ.get("LOOM_COMMIT", ""), "overrides": args.set, "sync_debug": args.sync_debug,
+        "commit": os.environ.get("LOOM_COMMIT", ""), "overrides": args.set, "flash_impl": args.flash_impl, "sync_debug": args.sync_debug,
         "tokens_per_s": round(args.tokens / step_s, 1), "tflops": round(tflops, 1),
         "peak_matmul_tflops": round(peak, 1), "mfu": round(tflops / peak, 4) if gpu else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,

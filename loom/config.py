@@ -117,10 +117,10 @@ class TrainConfig:
     # what train.compile compiles with: "aot_eager" traces the same graphs (dynamo + AOTAutograd) and runs them
     # without generated code, which is how the CPU tests check compile in seconds instead of minutes
     compile_backend: str = choice("inductor", "inductor", "aot_eager")
-    # "reduce-overhead": inductor replays each fixed-shape block (the LLM's, under data.tokens_per_microbatch)
-    # as a CUDA graph, forward and backward: one launch per graph instead of one per kernel, for steps whose GPU
-    # waits on the host's launches. Encoders' blocks (rows follow the data) stay plain: each new row count
-    # would capture a graph of its own.
+    # "reduce-overhead": inductor replays each block as a CUDA graph, forward and backward: one launch per graph
+    # instead of one per kernel, for steps whose GPU waits on the host's launches. The LLM's blocks (fixed T)
+    # are captured once; an encoder's rows, which follow the data, are then rounded up to 1,024 instead of 64,
+    # and each row count met is captured once (at most T / 1024 of them).
     compile_mode: str = choice("default", "default", "reduce-overhead")
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute

@@ -127,16 +127,18 @@ def test_row_budgets_by_hand():
                  "--data.encoder_rows_per_microbatch.vision=130"], 4)["vision"] == (192, 8)
 
 
-def test_cuda_graphs_only_for_fixed_shape_blocks(monkeypatch):
-    """train.compile_mode = 'reduce-overhead' reaches the LLM's blocks (fixed T), not the encoders' (symbolic rows:
-    a graph per row count); it needs inductor and a token budget, else a config error names what is missing."""
+def test_cuda_graphs_for_every_block_with_coarse_encoder_rows(monkeypatch):
+    """train.compile_mode = 'reduce-overhead' reaches every block: the LLM's with fixed shapes, the encoders' with
+    symbolic rows rounded up to GRAPH_ROW_MULTIPLE (a graph per row count met, few of them); it needs inductor
+    and a token budget, else a config error names what is missing."""
     import pytest
 
     from loom.config import ConfigError
+    from loom.models.encoder_layer import GRAPH_ROW_MULTIPLE, ROW_MULTIPLE, run_packed
     from loom.models.multimodal import build_model
     from loom.parallel.compile import compile_blocks
 
-    graphs = ["--train.compile=true", "--train.compile_mode=reduce-overhead", "--data.tokens_per_microbatch=256"]
+    graphs = ["--train.compile=true", "--train.compile_mode=reduce-overhead", "--data.tokens_per_microbatch=2048"]
     cfg = load_config(None, graphs)
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.setdefault(fn.__self__.__class__.__name__, kw) and fn)
@@ -145,9 +147,13 @@ def test_cuda_graphs_only_for_fixed_shape_blocks(monkeypatch):
     for name, module in model.named_children():
         if name in ("language", *cfg.model.encoders):
             compile_blocks(name, module, cfg)
-    assert seen["DecoderLayer"]["mode"] == "reduce-overhead" and seen["DecoderLayer"]["dynamic"] is None
-    assert all(kw["mode"] is None and kw["dynamic"] for k, kw in seen.items() if k != "DecoderLayer")
-    assert len(seen) > 1  # the encoders' blocks were seen too
+    assert seen.pop("DecoderLayer") == {"backend": "inductor", "dynamic": None, "mode": "reduce-overhead"}
+    assert seen and all(kw["mode"] == "reduce-overhead" and kw["dynamic"] for kw in seen.values())
+    budget = model.vision.encoder.row_budget
+    assert budget.multiple == GRAPH_ROW_MULTIPLE and ROW_MULTIPLE == 64
+    rows = []  # what the layers see: 300 + 500 rows rounded up to 1,024, the filler dropped after them
+    out = run_packed(torch.randn(800, 4), [300, 500], [lambda h, spans: rows.append(h.shape[0]) or h * 2], budget)
+    assert rows == [GRAPH_ROW_MULTIPLE] and out.shape == (800, 4)
     for missing in (["--data.tokens_per_microbatch=0"], ["--train.compile_backend=aot_eager"]):
         with pytest.raises(ConfigError, match="compile_mode"):
             load_config(None, graphs + missing)

@@ -45,6 +45,9 @@ class EncoderLayer(nn.Module):
 # the packed stream is rounded up to this many rows with a filler item (attending only to itself, dropped
 # after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
 ROW_MULTIPLE = 64
+# under CUDA graphs (train.compile_mode = "reduce-overhead") each distinct row count is a graph captured once:
+# coarser rounding keeps them few (at most T / 1024 per encoder) for at most 1,023 filler rows a call
+GRAPH_ROW_MULTIPLE = 1024
 _warned: set[RowBudget] = set()
 
 
@@ -57,6 +60,7 @@ class RowBudget:
 
     rows: int
     items: int
+    multiple: int = ROW_MULTIPLE  # the rows of a call are rounded up to this
 
     @property
     def segments(self) -> int:
@@ -74,7 +78,7 @@ def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList, budge
         warnings.warn(f"encoder microbatch of {rows} rows in {len(lengths)} items exceeds its fixed budget "
                       f"({budget.rows} rows, {budget.items} items): rounded up to {ROW_MULTIPLE} rows instead, "
                       "a new shape that compiles again; raise data.encoder_rows_per_microbatch", stacklevel=2)
-    fill = -rows % ROW_MULTIPLE
+    fill = -rows % (budget.multiple if budget is not None else ROW_MULTIPLE)
     if fill:
         h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
         lengths = [*lengths, fill]
