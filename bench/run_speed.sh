@@ -17,7 +17,8 @@ row() {  # a row that fails or outlives its limit leaves a line saying so, and t
 for part in $rows; do
   case $part in
     mm)
-      row mm-profile python bench/mm_bench.py --seq "$t" --steps 4 --warmup 3 $compiled $extra --profile "$out/mm-profile-$t.txt"
+      [ -n "${PROFILE-x}" ] && row mm-profile python bench/mm_bench.py --seq "$t" --steps 4 --warmup 3 $compiled $extra \
+        ${PROFILE:-} --profile "$out/mm-profile-$t.txt"  # PROFILE="--set ..." profiles that variant, PROFILE= none
       row mm-plain python bench/mm_bench.py --seq "$t" --steps 8 --warmup 3 --busy 3 $compiled $extra
       row mm-graphs python bench/mm_bench.py --seq "$t" --steps 8 --warmup 3 --busy 3 $compiled $extra \
         --set train.compile_mode=reduce-overhead ;;
