@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench.flash_impl import activate
+
 
 def timed(fn, reps: int = 20, warmup: int = 5) -> float:
     for _ in range(warmup):
@@ -93,7 +95,7 @@ def main() -> None:
     for impl in impls:
         if impl != "default":
             try:
-                torch.nn.attention.activate_flash_attention_impl(impl)
+                activate(impl)
             except Exception as e:  # noqa: BLE001 — report why, the default rows stand
                 print(json.dumps({"bench": "attn", "impl": impl, "error": f"{type(e).__name__}: {e}"[:600]}))
                 break

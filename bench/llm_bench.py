@@ -22,6 +22,7 @@ import time
 import torch
 
 from bench.busy import busy_report, queue_step
+from bench.flash_impl import activate
 from bench.mm_bench import print_sync_stacks, write_profile
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
@@ -75,7 +76,7 @@ def main() -> None:
     args = p.parse_args()
     device = init_distributed("auto")
     if args.flash_impl:
-        torch.nn.attention.activate_flash_attention_impl(args.flash_impl)
+        activate(args.flash_impl)
     gpu = device.type == "cuda"
     per_step = args.tokens // args.seq
     total = args.warmup + args.steps
