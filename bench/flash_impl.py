@@ -7,6 +7,8 @@ out for it, or every call fails with "too many values to unpack (expected 2)".
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -16,6 +18,7 @@ def activate(impl: str) -> None:
 
         fwd = fa4._flash_attn_fwd
         if not getattr(fwd, "_two_outputs", False):
+            @functools.wraps(fwd)  # its attributes too: FA4 keeps its kernel cache on the function
             def two_outputs(*args, **kwargs):
                 return tuple(fwd(*args, **kwargs)[:2])
             two_outputs._two_outputs = True
