@@ -99,3 +99,19 @@ def test_cuda_graphed_blocks_train_as_the_plain_compiled_ones(tmp_path):
     assert _steps(plain, 3) == pytest.approx(_steps(graphed, 3), rel=1e-5)
     for (name, p), q in zip(plain.model.named_parameters(), graphed.model.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=0, atol=1e-6), name
+
+
+def test_cuda_graphed_encoders_train_as_the_plain_compiled_ones(tmp_path):
+    # the default tasks' images and clips: the encoders' blocks graphed once per row count they meet
+    from loom.train.build import build_job
+
+    multimodal = ["--train.device=cuda", "--train.dtype=bf16", "--data.tokens_per_microbatch=256",
+                  "--train.global_batch_size=8", "--train.compile=true", "--train.grad_clip=0.05"]
+
+    def job(*extra):
+        return build_job(load_config(None, tiny_job_overrides(tmp_path / "run", *multimodal, *extra)))
+
+    plain, graphed = job(), job("--train.compile_mode=reduce-overhead")
+    assert _steps(plain, 4) == pytest.approx(_steps(graphed, 4), rel=1e-4)
+    for (name, p), q in zip(plain.model.named_parameters(), graphed.model.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=0, atol=1e-5), name
