@@ -112,6 +112,8 @@ def test_cuda_graphed_encoders_train_as_the_plain_compiled_ones(tmp_path):
         return build_job(load_config(None, tiny_job_overrides(tmp_path / "run", *multimodal, *extra)))
 
     plain, graphed = job(), job("--train.compile_mode=reduce-overhead")
-    assert _steps(plain, 4) == pytest.approx(_steps(graphed, 4), rel=1e-4)
+    # the encoders' rows are rounded to 1,024 instead of 64: other kernel shapes, so bf16 rounding differs;
+    # a stale or overwritten graph buffer would be far off
+    assert _steps(plain, 4) == pytest.approx(_steps(graphed, 4), rel=2e-3)
     for (name, p), q in zip(plain.model.named_parameters(), graphed.model.parameters(), strict=True):
-        assert torch.allclose(p, q, rtol=0, atol=1e-5), name
+        assert torch.allclose(p, q, rtol=0, atol=1e-2), name
