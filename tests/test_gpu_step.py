@@ -105,7 +105,7 @@ def test_cuda_graphed_encoders_train_as_the_plain_compiled_ones(tmp_path):
     # the default tasks' images and clips: the encoders' blocks graphed once per row count they meet
     from loom.train.build import build_job
 
-    multimodal = ["--train.device=cuda", "--train.dtype=bf16", "--data.tokens_per_microbatch=256",
+    multimodal = ["--train.device=cuda", "--train.dtype=bf16", "--data.tokens_per_microbatch=512",
                   "--train.global_batch_size=8", "--train.compile=true", "--train.grad_clip=0.05"]
 
     def job(*extra):
