@@ -154,6 +154,10 @@ def test_cuda_graphs_for_every_block_with_coarse_encoder_rows(monkeypatch):
     rows = []  # what the layers see: 300 + 500 rows rounded up to 1,024, the filler dropped after them
     out = run_packed(torch.randn(800, 4), [300, 500], [lambda h, spans: rows.append(h.shape[0]) or h * 2], budget)
     assert rows == [GRAPH_ROW_MULTIPLE] and out.shape == (800, 4)
+    small = type(budget)(rows=512, items=4, multiple=GRAPH_ROW_MULTIPLE)  # a filler of 724 rows > 512: still fits
+    seen_spans = []
+    run_packed(torch.randn(300, 4), [300], [lambda h, spans: seen_spans.append(spans) or h], small)
+    assert seen_spans[0].max_seqlen == GRAPH_ROW_MULTIPLE
     for missing in (["--data.tokens_per_microbatch=0"], ["--train.compile_backend=aot_eager"]):
         with pytest.raises(ConfigError, match="compile_mode"):
             load_config(None, graphs + missing)

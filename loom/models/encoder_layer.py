@@ -82,8 +82,9 @@ def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList, budge
     if fill:
         h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
         lengths = [*lengths, fill]
+    # the longest segment: an item (≤ rows) or the filler (< multiple, which may exceed a small budget's rows)
     spans = TokenSpans.from_lengths(lengths, device=h.device, segments=budget.segments if fits else 0,
-                                      max_seqlen=budget.rows if fits else 0)
+                                      max_seqlen=max(budget.rows, budget.multiple) if fits else 0)
     for layer in layers:
         h = layer(h, spans)
     return h[:rows]
