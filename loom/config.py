@@ -119,8 +119,8 @@ class TrainConfig:
     compile_backend: str = choice("inductor", "inductor", "aot_eager")
     # "reduce-overhead": inductor replays each block as a CUDA graph, forward and backward: one launch per graph
     # instead of one per kernel, for steps whose GPU waits on the host's launches. The LLM's blocks (fixed T)
-    # are captured once; an encoder's rows, which follow the data, are then rounded up to 1,024 instead of 64,
-    # and each row count met is captured once (at most T / 1024 of them).
+    # are captured once; an encoder's rows, which follow the data, are then rounded up to a quarter of its row
+    # budget instead of 64, and each row count met is captured once (at most 4 per encoder).
     compile_mode: str = choice("default", "default", "reduce-overhead")
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute

@@ -45,9 +45,10 @@ class EncoderLayer(nn.Module):
 # the packed stream is rounded up to this many rows with a filler item (attending only to itself, dropped
 # after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
 ROW_MULTIPLE = 64
-# under CUDA graphs (train.compile_mode = "reduce-overhead") each distinct row count is a graph captured once:
-# coarser rounding keeps them few (at most T / 1024 per encoder) for at most 1,023 filler rows a call
-GRAPH_ROW_MULTIPLE = 1024
+# under CUDA graphs (train.compile_mode = "reduce-overhead") each distinct row count is captured once, and once
+# more for every combination with the other encoders' counts (a graph tree's path, the LLM's graphs below it:
+# 5–7 s each on an H200 at T = 8192): rows are rounded up to a quarter of the budget, so at most 4 per encoder
+GRAPH_ROW_BUCKETS = 4
 _warned: set[RowBudget] = set()
 
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 from loom.config import JobConfig, TrainConfig
-from loom.models.encoder_layer import GRAPH_ROW_MULTIPLE, ROW_MULTIPLE, RowBudget
+from loom.models.encoder_layer import GRAPH_ROW_BUCKETS, ROW_MULTIPLE, RowBudget
 from loom.parallel.blocks import transformer_blocks
 from loom.topology.layout import resolve_placement
 
@@ -67,8 +67,14 @@ def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
     # an encoder under sequence parallel splits its rows over tp (a divisor of ROW_MULTIPLE): whole multiples
     sp = {n for n in serves if layouts[n].sequence_parallel}
     rows = {n: -(-r // ROW_MULTIPLE) * ROW_MULTIPLE if n in sp else r for n, r in rows.items()}
-    multiple = GRAPH_ROW_MULTIPLE if cfg.train.compile_mode == "reduce-overhead" else ROW_MULTIPLE
-    return {n: RowBudget(r, cfg.train.global_batch_size, multiple) for n, r in rows.items() if r}
+    graphs = cfg.train.compile_mode == "reduce-overhead"
+    return {n: RowBudget(r, cfg.train.global_batch_size, graph_multiple(r) if graphs else ROW_MULTIPLE)
+            for n, r in rows.items() if r}
+
+
+def graph_multiple(rows: int) -> int:
+    """What CUDA-graphed encoder rows are rounded up to: a quarter of the budget, in whole ROW_MULTIPLEs."""
+    return -(-rows // (GRAPH_ROW_BUCKETS * ROW_MULTIPLE)) * ROW_MULTIPLE
 
 
 def compile_backend(train: TrainConfig) -> str | None:
