@@ -58,7 +58,8 @@ def varlen_rows(q, k, v, bounds):
 
     from torch.nn.attention.varlen import varlen_attn
     # torch 2.11 expresses causality as window_size=(-1, 0), later releases also as is_causal (as loom's `_varlen`)
-    causal = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     grad = torch.randn_like(q)

@@ -32,7 +32,8 @@ class LoomContender:
         }
         self._computed, self._real = 0, 0
         self._enc_rows: dict[str, list[int]] = {}  # encoder → [real rows, computed rows] over the run
-        budgets = row_budgets(self.cfg, dist.get_world_size() if dist.is_initialized() else 1) if self.cfg.train.compile and self.cfg.data.tokens_per_microbatch else {}
+        fixed = self.cfg.train.compile and self.cfg.data.tokens_per_microbatch  # compiled rows have budgets
+        budgets = row_budgets(self.cfg, dist.get_world_size() if dist.is_initialized() else 1) if fixed else {}
         self._multiple = {n: budgets[n].multiple if n in budgets else ROW_MULTIPLE for n in self.counters}
 
     def inputs(self, step: int) -> StepInputs:
