@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FlashAttention-4 (flash-attn-4 4.0.0b36, CuTe DSL) on a GPU machine that reaches no registry, for torch's
-# activate_flash_attention_impl("FA4"). Its wheels are 118 MB, nvidia-cutlass-dsl-libs-cu13's 92 MB of them,
+# activate_flash_attention_impl("FA4"). Its wheels are 102 MB, nvidia-cutlass-dsl-libs-cu13's 92 MB of them,
 # over one call's 64 MiB: the libs' two large shared objects travel xz-compressed (50 + 13 MB), the first in a
 # call of its own, kept in /tmp while the machine stays warm.
 #   here:   pip download --no-deps (py3.12, manylinux) flash-attn-4==4.0.0b36 nvidia-cutlass-dsl-libs-base==4.8.1
