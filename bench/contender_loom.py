@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from bench.flops import matmul_params
 from bench.mm_bench import flops_of
 from loom.models.encoder_layer import ROW_MULTIPLE
+from loom.parallel.compile import row_budgets
 from loom.train.build import build_job
 from loom.train.inputs import StepInputs
 from loom.train.job_model import build_job_model
@@ -30,6 +32,9 @@ class LoomContender:
         }
         self._computed, self._real = 0, 0
         self._enc_rows: dict[str, list[int]] = {}  # encoder → [real rows, computed rows] over the run
+        fixed = self.cfg.train.compile and self.cfg.data.tokens_per_microbatch  # compiled rows have budgets
+        budgets = row_budgets(self.cfg, dist.get_world_size() if dist.is_initialized() else 1) if fixed else {}
+        self._multiple = {n: budgets[n].multiple if n in budgets else ROW_MULTIPLE for n in self.counters}
 
     def inputs(self, step: int) -> StepInputs:
         inputs = step_inputs(self.workload, step, self.plan, self.cfg, self.tok, self.counters, self.device)
@@ -38,7 +43,8 @@ class LoomContender:
         for name in self.counters:  # each encoder call's real rows against the rows its layers compute
             for mb in inputs.microbatches:
                 real = sum(self.counters[name](x) for x in mb.encoder_items.get(name, []))
-                computed = -(-max(real, 1) // ROW_MULTIPLE) * ROW_MULTIPLE  # rounded up; no item: one minimal input
+                step = self._multiple[name]
+                computed = -(-max(real, 1) // step) * step  # rounded up; no item: one minimal input
                 self._enc_rows[name] = [a + b for a, b in zip(self._enc_rows.get(name, (0, 0)), (real, computed))]
         return inputs
 

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from bench.busy import busy_report, queue_step
+from bench.flash_impl import activate
 from bench.mm_bench import print_sync_stacks, write_profile
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
@@ -63,9 +65,18 @@ def main() -> None:
     p.add_argument("--sync-debug", choices=("", "warn", "error"), default="",
                    help="run the measured steps under torch.cuda.set_sync_debug_mode: a host sync raises (error) or "
                         "prints where it happened, once per place (warn)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="after the timed steps, this many more queued behind a sleep: the GPU's busy fraction by "
+                        "CUDA events (bench/busy.py)")
+    p.add_argument("--flash-impl", default="",
+                   help="activate this flash attention implementation first (torch.nn.attention."
+                        "activate_flash_attention_impl, e.g. FA4): aten's flash ops, so varlen and SDPA's flash "
+                        "backend, run it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config override")
     args = p.parse_args()
     device = init_distributed("auto")
+    if args.flash_impl:
+        activate(args.flash_impl)
     gpu = device.type == "cuda"
     per_step = args.tokens // args.seq
     total = args.warmup + args.steps
@@ -74,8 +85,9 @@ def main() -> None:
         f"--train.global_batch_size={per_step}", f"--data.tokens_per_microbatch={args.tokens}",
         f"--data.train_size={max(per_step, 64)}"] + [f"--{kv}" for kv in args.set])
     job = build_job(cfg, device)
-    batches = GlobalBatches(documents(per_step * total, args.seq), per_step, cfg.data.seed)
-    inputs = [step_inputs(batches, s, job.plan, job.cfg, job.tok, job.counters, device) for s in range(total)]
+    batches = GlobalBatches(documents(per_step * (total + args.busy), args.seq), per_step, cfg.data.seed)
+    inputs = [step_inputs(batches, s, job.plan, job.cfg, job.tok, job.counters, device)
+              for s in range(total + args.busy)]
     peak = peak_matmul_tflops(device)
     times, profiler, first_frames = [], None, 0
     for s in range(total):
@@ -102,18 +114,23 @@ def main() -> None:
         profiler.__exit__(None, None, None)
         write_profile(profiler, args.profile, sum(times), gpu)
     step_s = sorted(times)[len(times) // 2]
+    busy = {}
+    if args.busy and gpu:
+        busy = busy_report([lambda s=s: queue_step(job.plan, job.model, job.optimizer, inputs[s], job.cfg, s)
+                            for s in range(total, total + args.busy)], step_s)
     flops = job.flops.step([args.seq] * per_step, {})
     tflops = flops / step_s / 1e12
     print(json.dumps({
         "bench": "llm", "model": "small" if args.small else "qwen3-1.7b", "seq": args.seq,
         "tokens_per_step": args.tokens,
         "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
-        "commit": os.environ.get("LOOM_COMMIT", ""), "overrides": args.set, "sync_debug": args.sync_debug,
+        "commit": os.environ.get("LOOM_COMMIT", ""), "overrides": args.set, "flash_impl": args.flash_impl,
+        "sync_debug": args.sync_debug,
         "tokens_per_s": round(args.tokens / step_s, 1), "tflops": round(tflops, 1),
         "peak_matmul_tflops": round(peak, 1), "mfu": round(tflops / peak, 4) if gpu else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
         "loss": round(result.loss, 4), "params_b": round(job.n_params / 1e9, 3),
-        "recompiles": compiled_frames() - first_frames,
+        "recompiles": compiled_frames() - first_frames, **busy,
         "step_s": round(step_s, 4), "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
         "step_times": [round(t, 4) for t in times],
     }))

@@ -107,6 +107,9 @@ def main() -> None:
                         "bench/overlap.py reads them)")
     p.add_argument("--sync-debug", choices=("", "warn"), default="",
                    help="warn: print where the measured steps sync with the host, once per place (stderr)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="loom on one GPU: after the timed steps, this many more queued behind a sleep: the GPU's busy "
+                        "fraction by CUDA events (bench/busy.py)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra loom config override, e.g. --set parallel.reshard_after_forward=false")
     args = p.parse_args()
@@ -132,7 +135,8 @@ def main() -> None:
             group.update(fused=None, foreach=True)
     peak = peak_matmul_tflops(device)
     total = args.warmup + args.steps
-    inputs = [contender.inputs(step) for step in range(total)]  # data prepared before timing
+    busy_steps = args.busy if gpu and args.system == "loom" and world == 1 else 0
+    inputs = [contender.inputs(step) for step in range(total + busy_steps)]  # data prepared before timing
     times, windows = [], []
     profiler = None
     for step in range(total):
@@ -162,6 +166,12 @@ def main() -> None:
         if args.timeline:
             write_timeline(profiler, args.timeline.format(rank=rank), rank, windows)
     step_s = sorted(times)[len(times) // 2]
+    busy = {}
+    if busy_steps:
+        from bench.busy import busy_report, queue_step
+        c = contender
+        busy = busy_report([lambda s=s: queue_step(c.plan, c.model, c.optimizer, inputs[s], c.cfg, s)
+                            for s in range(total, total + busy_steps)], step_s)
     measured = range(args.warmup, total)
     real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
     flops = sum(contender.flops(s) for s in measured) / len(measured)
@@ -185,6 +195,7 @@ def main() -> None:
             "encoder_padding": getattr(contender, "encoder_padding", dict)(),  # filler rows under row budgets
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
+            **busy,  # --busy: the GPU's busy fraction by CUDA events
             "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
             "step_times": [round(t, 4) for t in times],  # every measured step: a median hides slow ones
         }))

@@ -117,6 +117,11 @@ class TrainConfig:
     # what train.compile compiles with: "aot_eager" traces the same graphs (dynamo + AOTAutograd) and runs them
     # without generated code, which is how the CPU tests check compile in seconds instead of minutes
     compile_backend: str = choice("inductor", "inductor", "aot_eager")
+    # "reduce-overhead": inductor replays each block as a CUDA graph, forward and backward: one launch per graph
+    # instead of one per kernel, for steps whose GPU waits on the host's launches. The LLM's blocks (fixed T)
+    # are captured once; an encoder's rows, which follow the data, are then rounded up to a quarter of its row
+    # budget instead of 64, and each row count met is captured once (at most 4 per encoder).
+    compile_mode: str = choice("default", "default", "reduce-overhead")
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute
     activation_checkpointing: str = choice("none", "none", "full", "selective")
@@ -368,6 +373,10 @@ def check_combinations(cfg: JobConfig) -> None:
         if name not in m.encoders or not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
             raise ConfigError(f"data.encoder_rows_per_microbatch.{name} = {rows!r}: expected a positive row count "
                               f"for one of model.encoders = {m.encoders}")
+    if t.compile_mode != "default" and not (t.compile and t.compile_backend == "inductor" and d.tokens_per_microbatch):
+        raise ConfigError(f"train.compile_mode = {t.compile_mode!r} captures CUDA graphs of fixed-shape blocks: it "
+                          f"needs train.compile = true, train.compile_backend = 'inductor' and "
+                          f"data.tokens_per_microbatch (one shape per microbatch)")
     if t.activation_checkpointing == "selective" and t.compile:
         raise ConfigError(
             "train.activation_checkpointing = 'selective' does not compose with train.compile = true: its per-op "

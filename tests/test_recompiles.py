@@ -125,3 +125,40 @@ def test_row_budgets_by_hand():
     assert rows(["--layout.vision.tp=4", "--layout.vision.sequence_parallel=true"], 4)["vision"] == (448, 8)
     assert rows(["--layout.vision.tp=2", "--layout.vision.sequence_parallel=true",
                  "--data.encoder_rows_per_microbatch.vision=130"], 4)["vision"] == (192, 8)
+
+
+def test_cuda_graphs_for_every_block_with_coarse_encoder_rows(monkeypatch):
+    """train.compile_mode = 'reduce-overhead' reaches every block: the LLM's with fixed shapes, the encoders' with
+    symbolic rows rounded up to a quarter of their budget (a graph per row count met: at most 4); it needs inductor
+    and a token budget, else a config error names what is missing."""
+    import pytest
+
+    from loom.config import ConfigError
+    from loom.models.encoder_layer import ROW_MULTIPLE, run_packed
+    from loom.models.multimodal import build_model
+    from loom.parallel.compile import compile_blocks, graph_multiple
+
+    graphs = ["--train.compile=true", "--train.compile_mode=reduce-overhead", "--data.tokens_per_microbatch=2048"]
+    cfg = load_config(None, graphs)
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.setdefault(fn.__self__.__class__.__name__, kw) and fn)
+    m = cfg.model
+    model = build_model(m.language, m.vision, m.audio, {"vision": 5, "audio": 6})
+    for name, module in model.named_children():
+        if name in ("language", *cfg.model.encoders):
+            compile_blocks(name, module, cfg)
+    assert seen.pop("DecoderLayer") == {"backend": "inductor", "dynamic": None, "mode": "reduce-overhead"}
+    assert seen and all(kw["mode"] == "reduce-overhead" and kw["dynamic"] for kw in seen.values())
+    budget = model.vision.encoder.row_budget
+    assert (budget.rows, budget.multiple) == (2048, 512) and ROW_MULTIPLE == 64  # T = 2048: quarters of 512
+    assert graph_multiple(8192) == 2048 and graph_multiple(100) == 64 and graph_multiple(1000) == 256
+    rows = []  # what the layers see: 300 + 500 rows rounded up to 1,024, the filler dropped after them
+    out = run_packed(torch.randn(800, 4), [300, 500], [lambda h, spans: rows.append(h.shape[0]) or h * 2], budget)
+    assert rows == [1024] and out.shape == (800, 4)
+    small = type(budget)(rows=100, items=4, multiple=1024)  # a filler of 724 rows > 100: still fits
+    seen_spans = []
+    run_packed(torch.randn(300 // 3, 4), [100], [lambda h, spans: seen_spans.append(spans) or h], small)
+    assert seen_spans[0].max_seqlen == 1024
+    for missing in (["--data.tokens_per_microbatch=0"], ["--train.compile_backend=aot_eager"]):
+        with pytest.raises(ConfigError, match="compile_mode"):
+            load_config(None, graphs + missing)

@@ -45,6 +45,10 @@ class EncoderLayer(nn.Module):
 # the packed stream is rounded up to this many rows with a filler item (attending only to itself, dropped
 # after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
 ROW_MULTIPLE = 64
+# under CUDA graphs (train.compile_mode = "reduce-overhead") each distinct row count is captured once, and once
+# more for every combination with the other encoders' counts (a graph tree's path, the LLM's graphs below it:
+# 5–7 s each on an H200 at T = 8192): rows are rounded up to a quarter of the budget, so at most 4 per encoder
+GRAPH_ROW_BUCKETS = 4
 _warned: set[RowBudget] = set()
 
 
@@ -57,6 +61,7 @@ class RowBudget:
 
     rows: int
     items: int
+    multiple: int = ROW_MULTIPLE  # the rows of a call are rounded up to this
 
     @property
     def segments(self) -> int:
@@ -74,12 +79,13 @@ def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList, budge
         warnings.warn(f"encoder microbatch of {rows} rows in {len(lengths)} items exceeds its fixed budget "
                       f"({budget.rows} rows, {budget.items} items): rounded up to {ROW_MULTIPLE} rows instead, "
                       "a new shape that compiles again; raise data.encoder_rows_per_microbatch", stacklevel=2)
-    fill = -rows % ROW_MULTIPLE
+    fill = -rows % (budget.multiple if budget is not None else ROW_MULTIPLE)
     if fill:
         h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
         lengths = [*lengths, fill]
+    # the longest segment: an item (≤ rows) or the filler (< multiple, which may exceed a small budget's rows)
     spans = TokenSpans.from_lengths(lengths, device=h.device, segments=budget.segments if fits else 0,
-                                      max_seqlen=budget.rows if fits else 0)
+                                      max_seqlen=max(budget.rows, budget.multiple) if fits else 0)
     for layer in layers:
         h = layer(h, spans)
     return h[:rows]

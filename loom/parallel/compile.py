@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 from loom.config import JobConfig, TrainConfig
-from loom.models.encoder_layer import ROW_MULTIPLE, RowBudget
+from loom.models.encoder_layer import GRAPH_ROW_BUCKETS, ROW_MULTIPLE, RowBudget
 from loom.parallel.blocks import transformer_blocks
 from loom.topology.layout import resolve_placement
 
@@ -46,8 +46,10 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
     # an encoder's rows follow the data (rounded to ROW_MULTIPLE, not padded to the budget): traced
     # symbolically from the first call, resumed frames after a graph break too, so no row count recompiles
     dynamic = True if name in budgets else None
+    # CUDA graphs: the LLM's blocks once, an encoder's once per row count it meets (its rows rounded coarsely)
+    mode = cfg.train.compile_mode if cfg and cfg.train.compile_mode != "default" else None
     for block in transformer_blocks(name, module):
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic)
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic, mode=mode)
 
 
 def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
@@ -65,7 +67,14 @@ def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
     # an encoder under sequence parallel splits its rows over tp (a divisor of ROW_MULTIPLE): whole multiples
     sp = {n for n in serves if layouts[n].sequence_parallel}
     rows = {n: -(-r // ROW_MULTIPLE) * ROW_MULTIPLE if n in sp else r for n, r in rows.items()}
-    return {n: RowBudget(r, cfg.train.global_batch_size) for n, r in rows.items() if r}
+    graphs = cfg.train.compile_mode == "reduce-overhead"
+    return {n: RowBudget(r, cfg.train.global_batch_size, graph_multiple(r) if graphs else ROW_MULTIPLE)
+            for n, r in rows.items() if r}
+
+
+def graph_multiple(rows: int) -> int:
+    """What CUDA-graphed encoder rows are rounded up to: a quarter of the budget, in whole ROW_MULTIPLEs."""
+    return -(-rows // (GRAPH_ROW_BUCKETS * ROW_MULTIPLE)) * ROW_MULTIPLE
 
 
 def compile_backend(train: TrainConfig) -> str | None:

@@ -94,6 +94,9 @@ def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs,
     # every microbatch divides by the normaliser of the *global* batch, known from host data: gradients then
     # add up over microbatches and dp × cp to the reference's
     normaliser = objective.normaliser(inputs)
+    # a new step: blocks replayed as CUDA graphs (train.compile_mode) may reuse the memory of the last step's
+    # graph outputs, all read by now (a counter: nothing else happens without graphs)
+    torch.compiler.cudagraph_mark_step_begin()
     plan.rows.begin(model, inputs.microbatches, train)  # three-phase: the encoders on the whole step
     loss = plan.runner.run(model, inputs.microbatches, plan.rows, objective, normaliser, plan.run_context, train)
     plan.rows.finish()  # three-phase: the rows' gradients back into the encoders; sends completed
