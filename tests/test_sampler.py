@@ -41,8 +41,9 @@ def model(tiny_model, tok):
     return model
 
 
-def test_greedy_with_the_cache_equals_regenerating_the_prefix(model, tok, prompts):
-    sampler = Sampler(model, tok.eos_id, tok.pad_id)
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "compiled-decode"])
+def test_greedy_with_the_cache_equals_regenerating_the_prefix(model, tok, prompts, compile_backend):
+    sampler = Sampler(model, tok.eos_id, tok.pad_id, compile_backend=compile_backend)
     got = sampler.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0), torch.Generator())
     want = greedy_generate(model, [p.tokens for p in prompts], prompts, tok, torch.device("cpu"), 12)
     assert [c.tokens for c in got] == want

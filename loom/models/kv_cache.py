@@ -7,15 +7,17 @@ beside it. A forward hands each layer its `LayerCache`, whose `attend` replaces 
   and the prompts attend among themselves causally, exactly as in training;
 - decode (padded spans, one token per row): the new key and value are written at each row's length, and the
   query attends to that row's keys up to and including it (a mask per row: rows have different lengths).
-`advance(n)` moves the lengths after every layer has written (n: the tokens each row just received).
+`advance(n)` moves the lengths after every layer has written (n: the tokens each row just received). Decode
+attends over the whole capacity with a mask, so its shapes never change (a compiled step traces once).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from loom.data.spans import TokenSpans
-from loom.models.attention import attend, grouped_sdpa, host_bounds
+from loom.models.attention import attend, host_bounds
 
 
 class KVCache:
@@ -25,18 +27,14 @@ class KVCache:
         self.layers = {name: LayerCache(self, torch.zeros(shape, dtype=dtype, device=device),
                                         torch.zeros(shape, dtype=dtype, device=device)) for name in layers}
         self.lengths = torch.zeros(sequences, dtype=torch.long, device=device)  # keys each row holds
-        self.host_lengths = [0] * sequences
-        self.longest = 0  # the most keys a row holds, known on the host (no device read per layer)
         self.capacity = capacity
 
     def layer(self, name: str) -> LayerCache:
         return self.layers[name]
 
-    def advance(self, tokens: list[int]) -> None:
-        """Every layer has written this forward's keys: each row holds `tokens[row]` more."""
-        self.host_lengths = [n + t for n, t in zip(self.host_lengths, tokens)]
-        self.longest = max(self.host_lengths)
-        self.lengths += torch.as_tensor(tokens, device=self.lengths.device)
+    def advance(self, tokens: torch.Tensor | int) -> None:
+        """Every layer has written this forward's keys: each row holds `tokens` (per row, or all alike) more."""
+        self.lengths += tokens
 
 
 class LayerCache:
@@ -65,9 +63,12 @@ class LayerCache:
         at = self.cache.lengths
         self.keys[rows, at] = k[:, 0].to(self.keys.dtype)
         self.values[rows, at] = v[:, 0].to(self.values.dtype)
-        span = self.cache.longest + 1  # keys any row can see, this token's included
-        keys, values = self.keys[:, :span], self.values[:, :span]
-        mask = torch.arange(span, device=q.device)[None, :] <= at[:, None]  # [rows, keys]
-        out = grouped_sdpa(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-                    mask[:, None, None, :])
+        # over the whole capacity, masked per row: one shape at every step, so a compiled decode step is
+        # traced once (reading the unused tail costs less than a recompile per length)
+        keys, values = self.keys, self.values
+        mask = torch.arange(self.cache.capacity, device=q.device)[None, :] <= at[:, None]  # [rows, keys]
+        # grouped heads read in place (enable_gqa), not repeated: a decode step reads the whole cache once
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+                                             values.transpose(1, 2).to(q.dtype), attn_mask=mask[:, None, None, :],
+                                             enable_gqa=True)
         return out.transpose(1, 2)

@@ -39,11 +39,23 @@ class Completion:
 
 
 class Sampler:
-    def __init__(self, model: MultimodalModel, eos_id: int, pad_id: int, backend: str = "auto") -> None:
-        """`backend`: the prefill's attention (model.attention); decode attends over the cache with SDPA."""
+    def __init__(self, model: MultimodalModel, eos_id: int, pad_id: int, backend: str = "auto",
+                 compile_backend: str | None = None) -> None:
+        """`backend`: the prefill's attention (model.attention); decode attends over the cache with SDPA.
+        `compile_backend`: the decode step through torch.compile with it (one shape per generate call: traced
+        once per batch size and capacity), which fuses each layer's small ops — decoding is launch-bound."""
         self.model, self.eos_id, self.pad_id, self.backend = model, eos_id, pad_id, backend
         # media placeholders are inputs only: a sampled one would stand for rows no encoder made
         self.never = list(model.placeholder_ids.values())
+        self.spans = TokenSpans(max_seqlen=1, backend=backend)  # decode: padded, one token per row
+        self.decode = (torch.compile(self._decode, backend=compile_backend, dynamic=False) if compile_backend
+                       else self._decode)
+
+    def _decode(self, fed: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per row through the LLM: its next-token logits; the cache holds one more key per row."""
+        logits = self.model.language(fed, cache.lengths[:, None], self.spans, None, cache)[:, 0]
+        cache.advance(1)
+        return logits
 
     @torch.no_grad()
     def generate(self, prompts: list[Sample], params: SamplingParams, generator: torch.Generator
@@ -59,9 +71,9 @@ class Sampler:
         text = [Sample(p.tokens, [False] * len(p), [], []) for p in prompts]
         batch = pack_samples(text, self.pad_id, backend=self.backend).to(device)
         embeds = model.encode({k: [x.to(device) for x in v] for k, v in gather_modality_inputs(prompts).items()})
-        logits = lm(batch.input_ids, batch.positions, batch.spans, model.inserts(batch.input_ids, embeds), cache)
-        cache.advance([len(p) for p in prompts])
-        last = logits[batch.spans.cu_seqlens[1:].long() - 1]  # each prompt's next-token logits
+        ends = batch.spans.cu_seqlens[1:].long() - 1  # each prompt's last token: its logits start the answer
+        last = lm(batch.input_ids, batch.positions, batch.spans, model.inserts(batch.input_ids, embeds), cache, ends)
+        cache.advance(torch.tensor([len(p) for p in prompts], device=device))
         out = [Completion([], []) for _ in prompts]
         done = [False] * len(prompts)
         for step in range(params.max_new_tokens):
@@ -75,9 +87,7 @@ class Sampler:
                 break
             # finished rows decode padding (their outputs are ignored): every row keeps one shape
             fed = torch.where(torch.tensor(done, device=device), self.pad_id, token)[:, None]
-            spans = TokenSpans(max_seqlen=1, backend=self.backend)  # padded, one token per row
-            last = lm(fed, cache.lengths[:, None], spans, None, cache)[:, 0]
-            cache.advance([1] * len(prompts))
+            last = self.decode(fed, cache)
         model.train(was_training)
         return out
 
