@@ -15,7 +15,7 @@ run() {
 }
 for n in $counts; do
   run "$n" --system loom --format thd $compiled
-  run "$n" --system loom --format thd
+  [ -n "$compiled" ] && run "$n" --system loom --format thd  # eager beside compiled (COMPILED="": the same row)
   run "$n" --system loom --format bshd $compiled
   run "$n" --system loom --format bshd --pad-to seq $compiled
   run "$n" --system hf

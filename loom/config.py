@@ -208,7 +208,10 @@ class RLConfig:
 
     iterations: int = 20
     init: str = ""  # a loom checkpoint (step-N) whose weights the policy starts from (an SFT run's, say)
-    prompts_per_iteration: int = 16  # drawn from the job's training data in a seeded order
+    # a JSONL of prompts (messages without the final assistant turn, plus the fields the reward reads); empty:
+    # the job's training samples, each cut before its answer
+    prompts: str = ""
+    prompts_per_iteration: int = 16  # drawn in a seeded order
     group_size: int = 4  # G completions per prompt
     steps_per_iteration: int = 1  # K optimizer steps over the rollouts (train.global_batch_size each)
     max_new_tokens: int = 16
@@ -324,6 +327,8 @@ def check_values(cfg: JobConfig) -> None:
                     "rl.prompts_per_sampling_batch": r.prompts_per_sampling_batch})
     check_non_negative({"rl.temperature": r.temperature, "rl.save_every": r.save_every,
                         "rl.eval_every": r.eval_every})
+    if r.prompts and not Path(r.prompts).is_file():
+        raise ConfigError(f"rl.prompts = {r.prompts!r}: no such file")
     if r.init and not Path(r.init).is_dir():
         raise ConfigError(f"rl.init = {r.init!r}: no such checkpoint folder")
     if r.top_p > 1:

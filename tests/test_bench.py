@@ -95,7 +95,7 @@ def test_multimodal_table_small_runs_every_contender(tmp_path):
                          env=env)
     assert run.returncode == 0 and "failed" not in run.stderr, run.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 7
+    assert len(rows) == 6  # COMPILED="": the compiled packed row is the eager one, run once
     assert {(r["system"], r["layout"], r["format"]) for r in rows} >= {
         ("loom", "homogeneous", "thd"), ("loom", "heterogeneous", "thd"), ("loom", "homogeneous", "bshd"),
         ("hf", "fsdp2", "bshd")}
@@ -221,6 +221,20 @@ def test_score_bench_small_scores_every_target_chunked_or_whole():
         result = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
         assert abs(result["scored_tokens_per_s"] * result["pass_s"] - 4 * 255) <= 0.02 * 4 * 255  # both rounded
         assert len(result["pass_times"]) == 2
+
+
+def test_sample_bench_small_times_every_system_on_the_same_tokens():
+    """bench/sample_bench.py --small: loom's sampler (eager and compiled decode) and HF generate each decode 2
+    prompts × 2 rows × 16 tokens, timed, from loom's weights exported to a Hugging Face folder."""
+    cmd = [sys.executable, "bench/sample_bench.py", "--small", "--prompts", "2", "--group", "2", "--repeats", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(text) for text in out.stdout.splitlines() if text.startswith("{")]
+    assert [r["system"] for r in rows] == ["loom", "loom_compiled_decode", "hf_generate"]
+    for r in rows:
+        assert r["new_tokens"] == 16 and len(r["seconds"]) == 2
+        assert abs(r["tokens_per_s"] * r["min_median_max"][1] - 2 * 2 * 16) <= 0.05 * 64  # both rounded
 
 
 def test_model_flops_of_a_text_only_model_counts_the_llm_alone():

@@ -119,3 +119,40 @@ def test_the_loop_under_a_layout_starts_as_one_process_does(worlds, tmp_path, na
         assert first[key] == want[key], key
     assert first["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
     assert per_rank[0][1]["rl/trained_rollouts"] > 0
+
+
+def _prompt_lines(jsonl, edit=lambda i, line: None):
+    """The user's lines as RL prompts: the first user turn alone, its answer as the reward's field."""
+    import json
+
+    lines = []
+    for i, raw in enumerate(jsonl.read_text().splitlines()):
+        messages = json.loads(raw)["messages"]
+        line = {"messages": messages[:1], "answer": messages[1]["content"]}
+        edit(i, line)
+        lines.append(json.dumps(line))
+    path = jsonl.with_name("prompts.jsonl")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_users_jsonl_prompts_are_sampled_to_their_generation_prompt(tmp_path):
+    from conftest import user_data_overrides, write_user_data
+
+    from loom.data.conversations import BadSample
+
+    data = write_user_data(tmp_path / "data", n=12, seed=2)
+    prompts = _prompt_lines(data)
+    overrides = user_data_overrides(tmp_path, "--data.workers=0")
+    loop = _loop(tmp_path / "run", *overrides, f"--rl.prompts={prompts}")
+    first = loop.prompts[0]
+    chat = loop.trainer.tok
+    # the template's generation prompt closes the prompt: the answer is the sampler's to write
+    assert chat.tokenizer.decode(first.sample.tokens).endswith("assistant\n")
+    assert first.record["answer"] and first.where.endswith("prompts.jsonl:1") and first.sample.images
+    metrics = loop.iterate()
+    assert metrics["rl/response_length"] > 0 and metrics["rl/reward_errors"] == 0
+    bad = _prompt_lines(data, lambda i, line: line["messages"].append({"role": "assistant", "content": "x"})
+                        if i == 2 else None)
+    with pytest.raises(BadSample, match=r"prompts\.jsonl:3: a prompt ends with an assistant turn"):
+        _loop(tmp_path / "bad", *overrides, f"--rl.prompts={bad}")

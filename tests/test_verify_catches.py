@@ -115,8 +115,9 @@ FAULTS = {
 }
 # "one bridge row wrong" is fp32's to catch: one negated row of the tiny batch moves the LLM's gradients by
 # 0.029 relative (measured, per-name initial weights), inside bf16's tolerance of 0.03
-BF16_TOO = ["encoder gradient scaled by llm_dp/encoder_dp", "nan in one rank's encoder output",
-            "cp sum dropped from the bridge backward", "one rank counts its tokens twice"]
+# bf16 repeats the faults whose size is nearest its tolerance (a factor on one module's or one replica's
+# gradients); a NaN and the cp sum's factor 2 fail at any tolerance, so fp32 shows them once (CI minutes)
+BF16_TOO = ["encoder gradient scaled by llm_dp/encoder_dp", "one rank counts its tokens twice"]
 CASES = [(f, "fp32") for f in FAULTS] + [(f, "bf16") for f in BF16_TOO]
 
 

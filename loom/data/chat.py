@@ -119,6 +119,19 @@ class ChatTokenizer:
             end = upto.rfind(self.specials["eos_token"], len(before)) if self.specials["eos_token"] else -1
             # the turn's target ends with its end-of-turn token (where generation stops), not the newline after it
             spans.append((len(before), end + len(self.specials["eos_token"]) if end >= 0 else len(upto)))
+        inside = lambda a, b: train_on == "all" or any(s <= a and b <= e for s, e in spans)  # noqa: E731
+        return self._tokens(conv, text, rows, inside)
+
+    def encode_prompt(self, conv: Conversation, rows: dict[str, list[int]]) -> list[int]:
+        """A prompt's token ids (no targets), ending with the template's generation prompt: where a sampler
+        starts the assistant's answer."""
+        text = self._render(conv, self.messages(conv), add_generation_prompt=True)
+        return self._tokens(conv, text, rows, lambda a, b: False)[0]
+
+    def _tokens(self, conv: Conversation, text: str, rows: dict[str, list[int]], is_target
+                ) -> tuple[list[int], list[bool]]:
+        """`text` tokenised, each media placeholder repeated as many times as its item's rows; a text token
+        whose characters [a, b) satisfy `is_target(a, b)` is a target."""
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         ids, targets = [], []
         taken = dict.fromkeys(rows, 0)
@@ -135,7 +148,7 @@ class ChatTokenizer:
                 targets += [False] * n
                 continue
             ids.append(token)
-            targets.append(end > start and (train_on == "all" or any(a <= start and end <= b for a, b in spans)))
+            targets.append(end > start and is_target(start, end))
         unused = {k: len(v) - taken.get(k, 0) for k, v in rows.items() if len(v) != taken.get(k, 0)}
         if unused:
             raise BadSample(f"{conv.where}: {unused} media items have no placeholder in the rendered text")

@@ -10,7 +10,7 @@ from loom.data.chat import ChatTokenizer
 from loom.data.conversations import MODULE_OF, BadSample, Conversation
 from loom.data.format import TokenCounter
 from loom.data.images import ImageRule, image_file
-from loom.data.sample import Sample, SamplePair
+from loom.data.sample import MediaFile, Sample, SamplePair
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,18 @@ def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRul
             raise BadSample(f"{conv.where}: \"chosen\" and \"rejected\" tokenise to the same {len(chosen)} tokens: "
                             f"the pair teaches nothing")
         return SamplePair(chosen, rejected)
+    images, clips, rows = media_items(conv, rules, counters)
+    ids, targets = chat.encode(conv, rows, train_on)
+    fields = {}
+    if conv.rl:  # an RL line: only the completion (the last assistant turn) is trained
+        targets, fields = completion_fields(conv, targets)
+    return Sample(ids, targets, images, clips, conv.task or task, conv.where, fields)
+
+
+def media_items(conv: Conversation, rules: MediaRules, counters: dict[str, TokenCounter]
+                ) -> tuple[list[MediaFile], list[MediaFile], dict[str, list[int]]]:
+    """The conversation's images and clips (headers read, not decoded) and the rows each encoder emits for
+    them; an item for an encoder the model lacks is a BadSample."""
     for kind, module in MODULE_OF.items():
         if conv.items(kind) and module not in counters:
             raise BadSample(f"{conv.where}: has {kind} items but the model has no {module} encoder")
@@ -38,11 +50,7 @@ def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRul
     clips = [audio_file(p.source, rules.n_mels, conv.where, p.name) for p in conv.items("audio")]
     rows = {module: [counters[module](x) for x in items] for module, items in (("vision", images), ("audio", clips))
             if items}
-    ids, targets = chat.encode(conv, rows, train_on)
-    fields = {}
-    if conv.rl:  # an RL line: only the completion (the last assistant turn) is trained
-        targets, fields = completion_fields(conv, targets)
-    return Sample(ids, targets, images, clips, conv.task or task, conv.where, fields)
+    return images, clips, rows
 
 
 def _answer_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRules, counters: dict[str, TokenCounter],

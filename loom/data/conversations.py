@@ -87,23 +87,32 @@ MediaHook = Callable[[dict, str, str], "Part | None"]
 
 def parse_conversation(line: str, where: str, base: Path) -> Conversation:
     """One JSONL line → a checked Conversation; raises BadSample naming `where` and the problem."""
+    return parse_record(json_record(line, where), where, base)
+
+
+def json_record(line: str, where: str):
+    """A JSONL line's object; a BadSample naming `where` when it is not JSON."""
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
         # (some of json's messages end in "at" already: "Invalid control character at")
         raise BadSample(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
-    return parse_record(record, where, base)
 
 
-def parse_record(record, where: str, base: Path, media: MediaHook | None = None) -> Conversation:
+def parse_record(record, where: str, base: Path, media: MediaHook | None = None, prompt: bool = False
+                 ) -> Conversation:
     """One conversation as an object (a JSONL line's, or a table row's) → a checked Conversation; `media`
-    resolves a media part that has no "path" (a table's embedded images and clips)."""
+    resolves a media part that has no "path" (a table's embedded images and clips). `prompt`: an RL prompt,
+    whose answer the sampler writes — its last turn must not be the assistant's."""
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise BadSample(f"{where}: a line must be an object with a non-empty \"messages\" list")
     turns = tuple(_turn(m, f"{where}: messages[{i}]", base, media) for i, m in enumerate(messages))
     answers = _answers(record, where, base, media)
-    if answers is None and not any(t.role == "assistant" and t.parts for t in turns):
+    if prompt and turns[-1].role == "assistant":
+        raise BadSample(f"{where}: a prompt ends with an assistant turn: leave the answer out, the sampler writes it "
+                        f"(a reference answer for the reward goes in a field, e.g. \"answer\")")
+    if not prompt and answers is None and not any(t.role == "assistant" and t.parts for t in turns):
         raise BadSample(f"{where}: no assistant turn: nothing to learn from this conversation")
     task = record.get("task")
     if task is not None and (not isinstance(task, str) or not task):
@@ -251,15 +260,18 @@ class ConversationFile(Conversations):
     def where(self, i: int) -> str:
         return f"{self.path}:{self._lines[i]}"
 
-    def __getitem__(self, i: int) -> Conversation:
+    def line(self, i: int) -> str:
+        """Conversation i's line as text (a BadSample when it is not UTF-8)."""
         with open(self.path, "rb") as f:
             f.seek(self._offsets[i])
             raw = f.readline()
         try:
-            line = raw.decode("utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise BadSample(f"{self.where(i)}: not UTF-8 ({e.reason} at byte {e.start})") from None
-        return parse_conversation(line, self.where(i), self.path.parent)
+
+    def __getitem__(self, i: int) -> Conversation:
+        return parse_conversation(self.line(i), self.where(i), self.path.parent)
 
 
 def blend(sizes: list[int], weights: list[float], length: int) -> list[tuple[int, int]]:

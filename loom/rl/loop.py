@@ -6,8 +6,8 @@ Trainer's build (model, layout, optimizer, reference policy), its step program, 
 
 One iteration, on every rank:
 1. stream the policy's weights into the sampler's copy (rl/rollouts.py `PolicyCopy`);
-2. draw `rl.prompts_per_iteration` prompts from the job's training data (seeded: the same on every rank and
-   layout) and sample G completions of each (`sample_rollouts`);
+2. draw `rl.prompts_per_iteration` prompts (rl/prompts.py: the job's training data, or rl.prompts' JSONL;
+   seeded: the same on every rank and layout) and sample G completions of each (`sample_rollouts`);
 3. reward each (rl/rewards.py), normalise within each group into advantages, drop what cannot be trained on
    (a reward that failed, a group whose rewards are all equal under rl.equal_groups = "skip");
 4. score the rollouts with the trainer's own forward (rl/score.py) on the weights that sampled them: the
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,33 +30,18 @@ from loom.checkpoint.read import CheckpointWeights
 from loom.config import ConfigError, JobConfig
 from loom.data.batch import round_up
 from loom.data.loader import GlobalBatches
-from loom.data.sample import Sample, sequences_of
+from loom.data.chat import ChatTokenizer
+from loom.data.sample import Sample
 from loom.rl.rewards import all_equal, group_advantages, load_reward, reward_of
+from loom.rl.prompts import JsonlPrompts, TrainingPrompts
 from loom.rl.rollouts import PolicyCopy, Prompt, Rollout, sample_rollouts
 from loom.rl.sampler import Sampler, SamplingParams
 from loom.rl.score import score_samples
-from loom.train.evaluate import answer_span, evaluate
+from loom.train.evaluate import evaluate
 from loom.train.inputs import limit, plan_inputs
+from loom.train.job_data import media_rules
 from loom.train.metrics import MetricsLogger
 from loom.train.trainer import Trainer
-
-
-class TrainingPrompts(Sequence):
-    """The job's training samples as prompts: each cut where its (last) answer starts; the answer's text is
-    the record's `answer`, which the default reward matches."""
-
-    def __init__(self, samples: Sequence, tok) -> None:
-        self.samples, self.tok = samples, tok
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> Prompt:
-        s = sequences_of(self.samples[i])[0]
-        start, end = answer_span(s)
-        prompt = Sample(s.tokens[:start], [False] * start, s.images, s.audio, s.task, s.where)
-        record = {"task": s.task, "answer": self.tok.decode(s.tokens[start:end])}
-        return Prompt(prompt, record, s.where or f"task {s.task!r}, sample {i}")
 
 
 class RLLoop:
@@ -72,9 +56,15 @@ class RLLoop:
         self.reward = load_reward(r.reward)  # a missing function is found before any weight is read
         # the learning-rate schedule spans the run's optimizer steps
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=r.iterations * r.steps_per_iteration))
-        self.trainer = t = Trainer(cfg, device, CheckpointWeights(r.init) if r.init else None)
+        self.trainer = t = Trainer(cfg, device, CheckpointWeights(r.init) if r.init else None, rollouts=True)
         self.cfg = t.cfg
         self.prompts = TrainingPrompts(t.data.train, t.tok)
+        if r.prompts:
+            if not isinstance(t.tok, ChatTokenizer):
+                raise ConfigError(f"rl.prompts = {r.prompts!r} is rendered with a chat template: set model.tokenizer "
+                                  f"and data.sources (the held-out conversations come from them)")
+            self.prompts = JsonlPrompts(r.prompts, t.tok, media_rules(self.cfg), t.counters)
+            self.prompts.check_all()
         self.order = GlobalBatches(self.prompts, min(r.prompts_per_iteration, len(self.prompts)), cfg.data.seed)
         self.copy = PolicyCopy(self.cfg, t.tok, t.device)
         decode_backend = cfg.train.compile_backend if cfg.train.compile else None  # a compiled decode: 2.4× on a GPU

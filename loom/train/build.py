@@ -51,12 +51,13 @@ class Job:
 
 
 def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bool = True,
-              reference: bool = False, weights: WeightSource | None = None) -> Job:
+              reference: bool = False, weights: WeightSource | None = None, rollouts: bool = False) -> Job:
     """The job's tokenizer, model (built on meta, then this rank's shards only), data (every line checked before
     any weight is read), rank plan, optimizer and global batches. `pretrained`: read the Hugging Face folders
     (a resumed run takes its weights from the checkpoint instead); `reference`: also the whole model from the
     same initial weights, never parallelised or compiled (`loom verify`); `weights`: where the weights come
-    from instead of the folders and seeded draws (`loom eval`: a checkpoint)."""
+    from instead of the folders and seeded draws (`loom eval`: a checkpoint); `rollouts`: the steps train on
+    `loom rl`'s samples, not on the data's lines (which then need no RL values)."""
     torch.manual_seed(cfg.train.seed)  # initial weights are seeded per name; this seeds any later draw
     device = device or resolve_device(cfg.train.device)
     tok = job_tokenizer(cfg)
@@ -66,7 +67,7 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
     # the placement and the LLM's sample multiple, resolved once here and passed down (the prescan needs it)
     placement = resolve_placement(cfg, dist.get_world_size()) if dist.is_initialized() else None
     multiple = sample_multiple(placement.layouts["language"], cfg) if placement else cfg.data.pad_to_multiple
-    data = build_job_data(cfg, tok, counters, multiple)
+    data = build_job_data(cfg, tok, counters, multiple, rollouts)
     weights = weights or initial_weights(model, cfg, pretrained)
     try:
         aliases = tied_aliases(model)

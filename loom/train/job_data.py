@@ -69,10 +69,11 @@ class JobData:
 
 
 def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCounter],
-                   multiple: int | None = None) -> JobData:
+                   multiple: int | None = None, rollouts: bool = False) -> JobData:
     """`counters`: encoder → rows it emits for an item (the model's, built on meta); `multiple`: the LLM's
     sample multiple under the job's layout, when known — the prescan then also refuses a sample over the token
-    budget (unless data.too_long = "skip")."""
+    budget (unless data.too_long = "skip"); `rollouts`: `loom rl` trains on its own samples, so no line needs
+    GRPO's values."""
     d = cfg.data
     if not d.sources:
         sizes = dict(patch_size=cfg.model.vision.patch_size, n_audio_features=cfg.model.audio.num_features)
@@ -85,7 +86,7 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
     bad = BadSamples()
     weights = [s.weight for s in d.sources]
     rules = ChatRules(tok, media_rules(cfg), d.train_on)
-    check = prescan(cfg, rules, counters, multiple)
+    check = prescan(cfg, rules, counters, multiple, rollouts)
     files = checked([conversation_source(s.path) for s in d.sources], d.on_bad_sample, bad, check)
     if d.heldout:
         held = checked([conversation_source(d.heldout)], d.on_bad_sample, bad, check)
@@ -100,8 +101,8 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
     return JobData(tok, train, _loaded(heldout, d.on_bad_sample, bad), {}, bad)
 
 
-def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter], multiple: int | None
-            ) -> Callable[[Conversation, str], object]:
+def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter], multiple: int | None,
+            rollouts: bool = False) -> Callable[[Conversation, str], object]:
     """What the prescan asks of every line beyond its own format: everything the tokenizer and the model's config
     can judge — a media item for an encoder the model lacks, a media header that does not read, the chat template
     refusing it, a placeholder typed into the text, a clip longer than the audio encoder's positions, a sample
@@ -110,7 +111,8 @@ def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter],
     seen: dict[str, tuple[bool, str]] = {}  # an optional RL value → (given, where) on the first line checked
 
     def check(conv: Conversation, source: str) -> None:
-        if cfg.train.objective == "grpo" and "advantage" not in conv.rl:
+        # `rollouts`: the steps train on `loom rl`'s own samples; the lines are prompts and held-out data
+        if cfg.train.objective == "grpo" and not rollouts and "advantage" not in conv.rl:
             raise BadSample(f"{conv.where}: no \"advantage\": train.objective = 'grpo' needs one on every line")
         if (cfg.train.objective == "dpo") != (conv.answers is not None):
             raise BadSample(f"{conv.where}: no \"chosen\" and \"rejected\": train.objective = 'dpo' needs a pair on "

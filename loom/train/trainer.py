@@ -31,13 +31,14 @@ HEALTH = "health: which ranks stopped answering (gloo)"
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, device: torch.device | None = None, weights: WeightSource | None = None
-                 ) -> None:
+    def __init__(self, cfg: JobConfig, device: torch.device | None = None, weights: WeightSource | None = None,
+                 rollouts: bool = False) -> None:
         """`weights`: where the run's first weights come from instead of the folders and seeded draws (`loom
-        rl`'s rl.init checkpoint); a resumed run then loads its own checkpoint over them."""
+        rl`'s rl.init checkpoint); a resumed run then loads its own checkpoint over them. `rollouts`: `loom rl`
+        drives the steps with its own samples."""
         self.resume_from = resume_path(cfg.run.resume, cfg.run.out_dir)  # files only: the same on every rank
         # a resumed run takes its weights from the checkpoint: no Hugging Face folder is read
-        job = build_job(cfg, device, pretrained=self.resume_from is None, weights=weights)
+        job = build_job(cfg, device, pretrained=self.resume_from is None, weights=weights, rollouts=rollouts)
         self.cfg = cfg = job.cfg
         self.device, self.tok, self.model, self.counters = job.device, job.tok, job.model, job.counters
         self.data = job.data
