@@ -151,7 +151,7 @@ def test_a_users_jsonl_prompts_are_sampled_to_their_generation_prompt(tmp_path):
     data = write_user_data(tmp_path / "data", n=12, seed=2)
     prompts = _prompt_lines(data)
     overrides = user_data_overrides(tmp_path, "--data.workers=0")
-    loop = _loop(tmp_path / "run", *overrides, f"--rl.prompts={prompts}")
+    loop = _loop(tmp_path / "run", *overrides, f"--rl.prompts={prompts}", "--rl.steps_per_iteration=1")
     first = loop.prompts[0]
     chat = loop.trainer.tok
     # the template's generation prompt closes the prompt: the answer is the sampler's to write
@@ -159,6 +159,8 @@ def test_a_users_jsonl_prompts_are_sampled_to_their_generation_prompt(tmp_path):
     assert first.record["answer"] and first.where.endswith("prompts.jsonl:1") and first.sample.images
     metrics = loop.iterate()
     assert metrics["rl/response_length"] > 0 and metrics["rl/reward_errors"] == 0
+    # one step per iteration: no scoring pass; the step compares the sampler's logprobs with its own
+    assert metrics["rl/logprob_mismatch"] < 1e-5 and "grpo/sampler_mismatch" not in metrics
     bad = _prompt_lines(data, lambda i, line: line["messages"].append({"role": "assistant", "content": "x"})
                         if i == 2 else None)
     with pytest.raises(BadSample, match=r"prompts\.jsonl:3: a prompt ends with an assistant turn"):

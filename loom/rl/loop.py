@@ -35,6 +35,7 @@ from loom.data.batch import round_up
 from loom.data.loader import GlobalBatches
 from loom.data.chat import ChatTokenizer
 from loom.data.sample import Sample
+from loom.rl.grpo import BEHAVIOUR, SAMPLER
 from loom.rl.pairs import answer_gains, completion_sample, pair_accuracy, preference_pairs
 from loom.rl.prompts import JsonlPrompts, TrainingPrompts
 from loom.rl.rewards import all_equal, group_advantages, load_reward, reward_of
@@ -138,16 +139,18 @@ class RLLoop:
         metrics.update({"rl/equal_reward_groups": float(equal), "rl/trained_rollouts": float(sum(map(len, items)))})
         if not items:
             return metrics
-        if cfg.train.objective == "grpo":
-            metrics["rl/logprob_mismatch"] = mismatch
         metrics.update(self._train(items))
+        if cfg.train.objective == "grpo":
+            measured = metrics.pop("grpo/sampler_mismatch", 0.0)
+            metrics["rl/logprob_mismatch"] = measured if mismatch is None else mismatch
         return metrics
 
     def _advantaged(self, prompts: list[Prompt], rollouts: list[Rollout]
-                    ) -> tuple[list[list[Sample]], int, float]:
-        """GRPO's rollouts as samples, one item each, their group advantages a field and the trainer's logprobs
-        on the sampling weights their behaviour logprobs; the groups whose rewards are all equal; and the mean
-        |sampler's − trainer's logprob|."""
+                    ) -> tuple[list[list[Sample]], int, float | None]:
+        """GRPO's rollouts as samples, one item each, their group advantages a field; the groups whose rewards are
+        all equal; and the mean |sampler's − trainer's logprob| when a scoring pass measured it here. With K > 1
+        steps the trainer's logprobs on the sampling weights are the behaviour logprobs; with one, the step's own
+        lp is (exactly what a scoring pass would give), and the sampler's ride along to be compared in it."""
         kept, equal = [], 0
         for p in range(len(prompts)):
             group = [ro for ro in rollouts if ro.prompt == p and ro.reward is not None]
@@ -165,7 +168,12 @@ class RLLoop:
                                      {"advantage": [ro.advantage] * (len(prompts[ro.prompt].sample)
                                                                       + len(ro.completion.tokens))})
                    for ro in kept]
-        mismatch = self._score_behaviour(samples, kept) if samples else 0.0
+        mismatch = None  # measured by the training step itself (grpo/sampler_mismatch)
+        if self.cfg.rl.steps_per_iteration == 1:  # the one step runs on the sampling weights: lp_old = lp, r = 1
+            for sample, ro in zip(samples, kept):
+                sample.token_fields[SAMPLER] = _at_completion(sample, ro.completion.logprobs)
+        elif samples:  # later steps run on updated weights: the behaviour logprobs come from a scoring pass
+            mismatch = self._score_behaviour(samples, kept)
         return [[s] for s in samples], equal, mismatch
 
     def _train(self, items: list[list[Sample]]) -> dict[str, float]:
@@ -264,15 +272,20 @@ class RLLoop:
     def _score_behaviour(self, samples: list[Sample], kept: list[Rollout]) -> float:
         """The trainer's logprobs of each completion on the sampling weights become its `logprobs` field; the
         mean |sampler's − trainer's| is returned."""
-        scores = self._scores(samples)
         gaps = []
-        for sample, score, ro in zip(samples, scores, kept):
-            first = len(sample) - len(ro.completion.tokens) - 1  # the label position of the first completion token
-            field = [0.0] * len(sample)
-            field[first:first + len(score.logprobs)] = score.logprobs
-            sample.token_fields["logprobs"] = field
+        for sample, score, ro in zip(samples, self._scores(samples), kept):
+            sample.token_fields[BEHAVIOUR] = _at_completion(sample, score.logprobs)
             gaps += [abs(a - b) for a, b in zip(score.logprobs, ro.completion.logprobs)]
         return _mean(gaps)
+
+
+def _at_completion(sample: Sample, values: list[float]) -> list[float]:
+    """A field of `sample` holding `values` at its completion's label positions (the last len(values) tokens
+    are the completion; label position i predicts token i + 1), 0 elsewhere."""
+    first = len(sample) - len(values) - 1
+    field = [0.0] * len(sample)
+    field[first:first + len(values)] = values
+    return field
 
 
 def _mean(values: list[float]) -> float:
