@@ -189,3 +189,20 @@ def test_dpo_on_the_policys_own_pairs(tmp_path):
     pairs, equal = preference_pairs(prompts, rollouts)
     assert equal == 1 and [[s.tokens for s in pair] for pair in pairs] == [[[1, 3, 5, 2], [1, 3, 7]]]
     assert pairs[0][0].supervised == [False, False, True, True]
+
+
+def test_too_long_prompts_and_empty_completions_are_named_and_counted(tmp_path, capsys):
+    """A prompt whose rollout (prompt + rl.max_new_tokens) exceeds the token budget is skipped, named and counted;
+    an empty completion (the end of sequence at once) is named and counted, and still trained on."""
+    loop = _loop(tmp_path / "bad", "--data.tokens_per_microbatch=256", "--rl.max_new_tokens=226")
+    prompts = [loop.prompts[i] for i in range(8)]  # 19 to 37 tokens: those over 30 do not fit with 226 more
+    kept, too_long = loop._fitting(prompts)
+    assert too_long == sum(len(p.sample) + 226 > 256 for p in prompts) > 0 and len(kept) == 8 - too_long
+    long = next(p for p in prompts if len(p.sample) + 226 > 256)
+    assert f"{long.where}: {len(long.sample)} prompt tokens + rl.max_new_tokens = 226 exceed " \
+           f"data.tokens_per_microbatch = 256" in capsys.readouterr().out
+    eos = loop.trainer.tok.eos_id
+    rollouts = [Rollout(0, Completion([eos], [0.0])), Rollout(0, Completion([ord("a"), eos], [0.0, 0.0]))]
+    counts = loop._rewarded(prompts[:1], rollouts)
+    assert counts == {"rl/reward_errors": 0.0, "rl/empty_completions": 1.0}
+    assert f"1 empty completions, e.g. of {prompts[0].where}" in capsys.readouterr().out
