@@ -4,6 +4,7 @@ layout, and pp2), and a resumed run continues bit for bit."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import types
@@ -178,11 +179,11 @@ def test_dpo_on_the_policys_own_pairs(tmp_path):
     assert loop.heldout_pairs and len(loop.heldout_pairs) % 2 == 0
     before = loop.evaluate()
     assert before["pairs/margin"] == 0.0 and before["pairs/accuracy"] == 0.0
-    metrics = loop.iterate()
-    assert metrics["rl/trained_rollouts"] > 0 and metrics["rl/trained_rollouts"] % 2 == 0
-    assert metrics["dpo/accuracy"] == 0.0  # the step's pairs, scored on the weights that sampled them
-    after = loop.evaluate()
-    assert after["pairs/margin"] != 0.0
+    after = loop.run()  # the command's loop: two iterations, a checkpoint, the final evaluation
+    first = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["rl/trained_rollouts"] > 0 and first["rl/trained_rollouts"] % 2 == 0
+    assert first["dpo/accuracy"] == 0.0  # the step's pairs, scored on the weights that sampled them
+    assert after["pairs/margin"] != 0.0 and (tmp_path / "dpo" / "step-2").is_dir()
     rollouts = [Rollout(0, Completion([5, 2], [0.0, 0.0]), 1.0), Rollout(0, Completion([7], [0.0]), 0.0),
                 Rollout(1, Completion([5], [0.0]), 1.0), Rollout(1, Completion([6], [0.0]), 1.0)]
     prompts = [Prompt(Sample([1, 3], [False, False], [], []), {}, f"p{i}") for i in range(2)]

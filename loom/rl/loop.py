@@ -93,7 +93,9 @@ class RLLoop:
             while self.iteration < r.iterations:
                 metrics = self.iterate()
                 log.log(self.iteration, metrics)
-                status = (f"reward {metrics['rl/reward_mean']:.3f}  kl {metrics.get('grpo/kl', 0.0):.4f}  "
+                objective = (f"kl {metrics.get('grpo/kl', 0.0):.4f}" if cfg.train.objective == "grpo"
+                             else f"pair margin {metrics.get('dpo/reward_margin', 0.0):.4f}")
+                status = (f"reward {metrics['rl/reward_mean']:.3f}  {objective}  "
                           f"sample tok/s {metrics['rl/sample_tokens_per_s']:,.0f}")
                 log.progress(self.iteration, status,
                              self.iteration % cfg.train.log_every == 0 or self.iteration == r.iterations)
