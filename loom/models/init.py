@@ -19,7 +19,9 @@ import math
 import torch
 import torch.nn as nn
 
+from loom.models.experts import Experts
 from loom.models.layers import RMSNorm
+from loom.models.router import Router
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -37,7 +39,8 @@ def initial_value(name: str, owner: nn.Module, attr: str, shape: torch.Size, see
         return torch.ones(shape, device=device) if attr == "weight" else torch.zeros(shape, device=device)
     gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
     out = torch.empty(shape, device=device)
-    if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding)):
+    # the router's rows and each stacked expert are Linear weights of the LLM: N(0, init_std) as those
+    if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding, Router, Experts)):
         return out.normal_(0.0, llm_std, generator=gen) if attr == "weight" else out.zero_()
     if isinstance(owner, nn.Embedding):
         return out.normal_(0.0, 1.0, generator=gen)

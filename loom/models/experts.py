@@ -1,0 +1,70 @@
+"""The routed experts of a mixture-of-experts block: E SwiGLU MLPs stacked into [E, …] tensors.
+
+`gate_proj` and `up_proj` are [E, intermediate, hidden] and `down_proj` [E, hidden, intermediate]: expert e's
+slice is the weight of an nn.Linear, as Hugging Face stores each expert (`experts.e.gate_proj.weight`), so
+loading and export stack or split along dim 0 and nothing is transposed.
+
+Two ways to compute the same thing on tokens sorted by expert:
+- ``loop``: one matmul per expert, over its run of tokens (an expert with no token is skipped) — the CPU
+  path and the oracle;
+- ``grouped``: one grouped GEMM per projection (`grouped_mm` with the runs' end offsets), no host sync. On
+  CPU it runs in fp32 when each row is a multiple of 16 bytes; on CUDA it needs bf16 and SM ≥ 80.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "grouped_mm", None)
+KERNELS = ("auto", "loop", "grouped")
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, kernel: str = "auto") -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.kernel = kernel
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x` [n, hidden]: tokens sorted by expert, `counts` [E] (int) tokens of each expert, in order."""
+        if self.use_grouped(x):
+            return self._grouped(x, counts)
+        return self._loop(x, counts)
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        if self.kernel == "loop" or grouped_mm is None:
+            return False
+        if self.kernel == "grouped":
+            return True
+        # auto: the GPU's kernel where its layout rules hold (bf16, 16-byte rows); the loop elsewhere
+        aligned = all(n * x.element_size() % 16 == 0 for n in self.gate_proj.shape[1:])
+        return x.is_cuda and x.dtype == torch.bfloat16 and aligned
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one host read of the counts: this path is the CPU's
+            if n == 0:
+                continue
+            xe = x[start : start + n]
+            h = F.silu(xe @ self.gate_proj[e].t().to(x.dtype)) * (xe @ self.up_proj[e].t().to(x.dtype))
+            out.append(h @ self.down_proj[e].t().to(x.dtype))
+            start += n
+        if not out:  # no token here at all: zeros still tied to the weights, so each gets a (zero) gradient
+            tied = sum(p.sum() for p in (self.gate_proj, self.up_proj, self.down_proj))
+            return x.new_zeros(0, x.shape[-1]) + 0.0 * tied.to(x.dtype)
+        return torch.cat(out)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)
+        w = [p.to(x.dtype).transpose(-2, -1) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        h = F.silu(grouped_mm(x, w[0], offs=offsets)) * grouped_mm(x, w[1], offs=offsets)
+        return grouped_mm(h, w[2], offs=offsets)
