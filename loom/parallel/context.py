@@ -107,7 +107,9 @@ def shard_for_context(
         selectors[pid] = slot_index[keep][is_slot[keep]]
     local_lengths = [n // size for n in lengths]
     shard = _context(group, lengths, rank, size, device)
-    spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard)
+    counted = batch.spans.counted
+    spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard,
+                    counted=None if counted is None else counted.reshape(-1)[keep])
     fields = {name: values.reshape(-1)[keep] for name, values in batch.fields.items()}  # shaped like the labels
     local = Batch(ids[keep], labels[keep], positions[keep], spans, batch.modality_inputs, fields=fields)
     return local, selectors
