@@ -7,31 +7,27 @@ from __future__ import annotations
 import pytest
 from oracle import assert_all_passed, run_verify
 
-# 8 experts, 2 per token; layer 0 dense, 1-3 sparse; the aux-loss-free bias moves every step; the z-loss on
-MOE = ["--model.language.num_experts=8", "--model.language.num_experts_per_tok=2",
-       "--model.language.moe_intermediate_size=64", "--model.language.mlp_only_layers=[0]",
-       "--model.language.router_bias_update_rate=0.01", "--model.language.router_z_loss_coef=0.001"]
+# 8 experts, 2 per token; layer 0 dense, 1-2 sparse; the aux-loss-free bias moves every step; the z-loss on.
+# A smaller LLM and batch than the default: 4 layouts stay under a minute on CI's 2 cores.
+MOE = ["--model.language.num_layers=3", "--model.language.hidden_size=64", "--model.language.intermediate_size=128",
+       "--model.language.num_experts=8", "--model.language.num_experts_per_tok=2",
+       "--model.language.moe_intermediate_size=32", "--model.language.mlp_only_layers=[0]",
+       "--model.language.router_bias_update_rate=0.01", "--model.language.router_z_loss_coef=0.001",
+       "--train.global_batch_size=8"]
 STEPS = 2
-
-
-def pp(p: int, m: int) -> list[str]:
-    return [f"--layout.language.pp={p}", f"--train.microbatches={m}", "--data.tokens_per_microbatch=512"]
-
+TOKENS = "--data.tokens_per_microbatch=256"
+# DeepSeek-V3 routing: sigmoid, 4 groups of 2 with the best 2 kept, scaling, a shared expert, first layer dense
+DEEPSEEK = ["--model.language.router_score=sigmoid", "--model.language.n_group=4", "--model.language.topk_group=2",
+            "--model.language.n_shared_experts=1", "--model.language.routed_scaling_factor=2.5",
+            "--model.language.first_k_dense_replace=1"]
 
 LAYOUTS = {
-    "dp2": (2, []),
+    # M = 2 bins of T tokens each, filler included (not counted): the bias update equals the reference's one batch
+    "cp2-mb2-deepseek-routing": (2, ["--layout.language.cp=2", "--train.microbatches=2", TOKENS] + DEEPSEEK),
     "tp2-sp": (2, ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2",
                    "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]),
-    "cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),
-    "pp2": (2, pp(2, 2)),
-    # DeepSeek-V3 routing: sigmoid, 4 groups of 2 with the best 2 kept, scaling, a shared expert, first layer dense
-    "deepseek-routing-mb2-bins-dp2": (2, ["--model.language.router_score=sigmoid", "--model.language.n_group=4",
-                                          "--model.language.topk_group=2", "--model.language.n_shared_experts=1",
-                                          "--model.language.routed_scaling_factor=2.5",
-                                          "--model.language.first_k_dense_replace=1",
-                                          "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
-    # 4 ranks: FSDP2 over dp4, and vision dp4 fanning in to an LLM tp2·dp2
-    "dp4": (4, []),
+    "pp2-1f1b-m2": (2, ["--layout.language.pp=2", "--train.microbatches=2", TOKENS]),
+    # 4 ranks: FSDP2 over the LLM's dp2 beside tp2, vision dp4 fanning in
     "fan-in-llm-tp2xdp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),
 }
 
