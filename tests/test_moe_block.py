@@ -164,3 +164,17 @@ def test_bad_expert_keys_are_named(overrides, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_experts(LLMConfig(num_layers=4, num_experts=4, **overrides))
+
+
+def test_compiled_block_gives_the_same_output_gradients_and_counts():
+    """torch.compile (dynamo + AOTAutograd) around the block: the z-loss's gradient survives tracing, the
+    counting runs eagerly once."""
+    eager = _block(RouterSpec(E, 2), z=0.01)
+    compiled = _block(RouterSpec(E, 2), z=0.01)
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
+    x, g = torch.randn(16, D), torch.randn(16, D)
+    with aux_loss_scale(0.5):
+        a, c = _grads(eager, x, g), _grads(compiled, x, g)
+    assert (a[0] - c[0]).abs().max() < 1e-6 and (a[1] - c[1]).abs().max() < 1e-6
+    assert all((a[2][n] - c[2][n]).abs().max() < 1e-6 for n in a[2])
+    assert torch.equal(eager.tokens_per_expert, compiled.tokens_per_expert)

@@ -24,8 +24,10 @@ DEEPSEEK = ["--model.language.router_score=sigmoid", "--model.language.n_group=4
 LAYOUTS = {
     # M = 2 bins of T tokens each, filler included (not counted): the bias update equals the reference's one batch
     "cp2-mb2-deepseek-routing": (2, ["--layout.language.cp=2", "--train.microbatches=2", TOKENS] + DEEPSEEK),
-    "tp2-sp": (2, ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2",
-                   "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]),
+    # blocks recomputed in backward: counts not doubled (compile: tests/test_moe_block.py, one process, cheaper)
+    "tp2-sp-ac-full": (2, ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2",
+                           "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2",
+                           "--train.activation_checkpointing=full"]),
     "pp2-1f1b-m2": (2, ["--layout.language.pp=2", "--train.microbatches=2", TOKENS]),
     # 4 ranks: FSDP2 over the LLM's dp2 beside tp2, vision dp4 fanning in
     "fan-in-llm-tp2xdp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),

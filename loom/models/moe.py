@@ -101,7 +101,8 @@ class _AddGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
-        return out.view_as(out)
+        # a copy, not `out.view_as(out)`: compiled (AOTAutograd), the view's gradient lost the aux term's (tried)
+        return out.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
