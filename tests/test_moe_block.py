@@ -178,3 +178,19 @@ def test_compiled_block_gives_the_same_output_gradients_and_counts():
     assert (a[0] - c[0]).abs().max() < 1e-6 and (a[1] - c[1]).abs().max() < 1e-6
     assert all((a[2][n] - c[2][n]).abs().max() < 1e-6 for n in a[2])
     assert torch.equal(eager.tokens_per_expert, compiled.tokens_per_expert)
+
+
+def test_initial_expert_and_router_weights_are_drawn():
+    """Every stacked expert weight and the router start at N(0, init_std), seeded by name (zero experts would
+    output zeros and get zero gradients: a model that never uses them, which parity alone cannot see)."""
+    from loom.models.init import initial_value
+    from loom.models.llm import DecoderLM
+
+    with torch.device("meta"):
+        lm = DecoderLM(LLMConfig(num_experts=4, moe_intermediate_size=32, init_std=0.02))
+    for name in ("layers.1.mlp.experts.gate_proj", "layers.1.mlp.experts.up_proj", "layers.1.mlp.experts.down_proj",
+                 "layers.1.mlp.gate.weight"):
+        owner, _, attr = name.rpartition(".")
+        t = initial_value(f"language.{name}", lm.get_submodule(owner), attr, lm.get_parameter(name).shape, 0,
+                          torch.device("cpu"), 0.02)
+        assert abs(t.std().item() - 0.02) < 0.002, name

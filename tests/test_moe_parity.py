@@ -31,6 +31,9 @@ LAYOUTS = {
     "pp2-1f1b-m2": (2, ["--layout.language.pp=2", "--train.microbatches=2", TOKENS]),
     # 4 ranks: FSDP2 over the LLM's dp2 beside tp2, vision dp4 fanning in
     "fan-in-llm-tp2xdp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),
+    # expert parallel: 8 experts over ep ranks of dp4, sharded by FSDP2 over the dp4/ep others
+    "ep2-dp4": (4, ["--layout.language.ep=2"]),
+    "ep4-dp4": (4, ["--layout.language.ep=4"]),
 }
 
 
@@ -38,3 +41,33 @@ LAYOUTS = {
 def test_moe_layout_matches_reference(worlds, name):
     world, overrides = LAYOUTS[name]
     assert_all_passed(name, worlds.run(world, run_verify, MOE + overrides, STEPS, timeout=300), STEPS)
+
+
+def _verify_with_expert_gradients_averaged(overrides: list[str], steps: int) -> list[dict]:
+    """FSDP2's default for the experts' unit: gradients averaged over efsdp instead of summed (the dense
+    weights' sum over dp×cp): expert gradients end efsdp× too small, pytorch #160285's bug."""
+    import loom.parallel.language as language
+    from torch.distributed.fsdp import FSDPModule
+
+    from loom.models.experts import Experts
+
+    apply_fsdp = language.apply_fsdp
+
+    def averaging(module, *args, **kwargs):
+        apply_fsdp(module, *args, **kwargs)
+        for m in module.modules():
+            if isinstance(m, Experts) and isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(float(m._get_fsdp_state()._fsdp_param_group.mesh_info.mesh.size()))
+
+    language.apply_fsdp = averaging
+    try:
+        return run_verify(overrides, steps)
+    finally:
+        language.apply_fsdp = apply_fsdp
+
+
+def test_expert_gradients_averaged_over_efsdp_fail_verify(worlds):
+    per_rank = worlds.run(4, _verify_with_expert_gradients_averaged, MOE + ["--layout.language.ep=2"], 1, timeout=300)
+    failures = per_rank[0][0]["failures"]
+    assert any("language gradients" in f for f in failures), failures
+    assert not any(f.startswith(("step 1: vision", "step 1: audio")) for f in failures), failures

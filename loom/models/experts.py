@@ -35,9 +35,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` [n, hidden]: tokens sorted by expert, `counts` [E] (int) tokens of each expert, in order."""
-        if self.use_grouped(x):
-            return self._grouped(x, counts)
-        return self._loop(x, counts)
+        return self.compute(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+        """The experts whose weights are given (all, or expert parallelism's local ones) on their sorted tokens."""
+        w = (gate, up, down)
+        return self._grouped(x, counts, w) if self.use_grouped(x) else self._loop(x, counts, w)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.kernel == "loop" or grouped_mm is None:
@@ -48,23 +52,24 @@ class Experts(nn.Module):
         aligned = all(n * x.element_size() % 16 == 0 for n in self.gate_proj.shape[1:])
         return x.is_cuda and x.dtype == torch.bfloat16 and aligned
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _loop(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        gate, up, down = (p.to(x.dtype) for p in w)
         out = []
         start = 0
         for e, n in enumerate(counts.tolist()):  # one host read of the counts: this path is the CPU's
             if n == 0:
                 continue
             xe = x[start : start + n]
-            h = F.silu(xe @ self.gate_proj[e].t().to(x.dtype)) * (xe @ self.up_proj[e].t().to(x.dtype))
-            out.append(h @ self.down_proj[e].t().to(x.dtype))
+            out.append((F.silu(xe @ gate[e].t()) * (xe @ up[e].t())) @ down[e].t())
             start += n
         if not out:  # no token here at all: zeros still tied to the weights, so each gets a (zero) gradient
-            tied = sum(p.sum() for p in (self.gate_proj, self.up_proj, self.down_proj))
-            return x.new_zeros(0, x.shape[-1]) + 0.0 * tied.to(x.dtype)
+            return x.new_zeros(0, x.shape[-1]) + 0.0 * (gate.sum() + up.sum() + down.sum())
         return torch.cat(out)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _grouped(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)
-        w = [p.to(x.dtype).transpose(-2, -1) for p in (self.gate_proj, self.up_proj, self.down_proj)]
-        h = F.silu(grouped_mm(x, w[0], offs=offsets)) * grouped_mm(x, w[1], offs=offsets)
-        return grouped_mm(h, w[2], offs=offsets)
+        gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)
+        h = F.silu(grouped_mm(x, gate, offs=offsets)) * grouped_mm(x, up, offs=offsets)
+        return grouped_mm(h, down, offs=offsets)

@@ -39,9 +39,10 @@ def initial_value(name: str, owner: nn.Module, attr: str, shape: torch.Size, see
         return torch.ones(shape, device=device) if attr == "weight" else torch.zeros(shape, device=device)
     gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
     out = torch.empty(shape, device=device)
-    # the router's rows and each stacked expert are Linear weights of the LLM: N(0, init_std) as those
-    if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding, Router, Experts)):
+    if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding)):
         return out.normal_(0.0, llm_std, generator=gen) if attr == "weight" else out.zero_()
+    if llm_std is not None and isinstance(owner, (Router, Experts)):  # every tensor a weight (gate_proj, …)
+        return out.normal_(0.0, llm_std, generator=gen)
     if isinstance(owner, nn.Embedding):
         return out.normal_(0.0, 1.0, generator=gen)
     if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d)):

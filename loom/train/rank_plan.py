@@ -17,6 +17,7 @@ from loom.models.llm import LLMConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel import parallelize
 from loom.parallel.compile import compile_backend, compile_blocks
+from loom.parallel.experts import add_expert_groups
 from loom.parallel.materialize import WeightSource, materialize
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
@@ -111,6 +112,7 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
     """The layouts applied to this rank's part of `model` (still on `meta`), and the step's seams chosen once."""
     topo = Topology.build(cfg, placement)
     tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
+    add_expert_groups(topo)  # likewise (layout.language.ep > 1)
     me = topo.role()
     for name in modules:  # non-colocated: a rank keeps only the modules it hosts
         if not me.hosts(name):
