@@ -1,6 +1,7 @@
 """A mixture-of-experts LLM under each layout equals the one-process reference (loom verify: loss, grad norms,
 gradients, updates, and the routers' bias after the step's load-balance update), fp32 on gloo CPU ranks.
-Experts are replicated over tp and sharded by FSDP2 over dp (× cp); no expert parallelism yet."""
+Experts are replicated over tp and sharded by FSDP2 over dp (× cp), or split over ep ranks of dp×cp and sharded
+by FSDP2 over the rest (parallel/experts.py); the faults below show verify sees expert gradients."""
 
 from __future__ import annotations
 
@@ -29,11 +30,14 @@ LAYOUTS = {
                            "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2",
                            "--train.activation_checkpointing=full"]),
     "pp2-1f1b-m2": (2, ["--layout.language.pp=2", "--train.microbatches=2", TOKENS]),
-    # 4 ranks: FSDP2 over the LLM's dp2 beside tp2, vision dp4 fanning in
-    "fan-in-llm-tp2xdp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),
-    # expert parallel: 8 experts over ep ranks of dp4, sharded by FSDP2 over the dp4/ep others
-    "ep2-dp4": (4, ["--layout.language.ep=2"]),
-    "ep4-dp4": (4, ["--layout.language.ep=4"]),
+    # expert parallel: 8 experts over ep ranks of the LLM's dp×cp, FSDP2 over the dp×cp/ep others
+    "ep2-dp4": (4, ["--layout.language.ep=2"]),  # efsdp 2: expert gradients summed by the all-to-all and FSDP2
+    "ep4-cp2xdp2": (4, ["--layout.language.ep=4", "--layout.language.cp=2", "--data.pad_to_multiple=4"]),
+    # each tp coordinate its own EP group (experts replicated over tp); vision dp4 fans in to LLM dp2
+    "ep2-tp2-sp-fan-in": (4, ["--layout.language.ep=2", "--layout.language.tp=2", "--layout.vision.tp=1",
+                              "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]),
+    "ep2-pp2xdp2": (4, ["--layout.language.ep=2", "--layout.language.pp=2", "--train.microbatches=2", TOKENS,
+                        "--layout.vision.tp=1", "--layout.audio.tp=1"]),  # each stage its own EP group
 }
 
 
@@ -71,3 +75,28 @@ def test_expert_gradients_averaged_over_efsdp_fail_verify(worlds):
     failures = per_rank[0][0]["failures"]
     assert any("language gradients" in f for f in failures), failures
     assert not any(f.startswith(("step 1: vision", "step 1: audio")) for f in failures), failures
+
+
+def _verify_skewed(overrides: list[str], steps: int) -> list[dict]:
+    """Every token chooses experts 0 and 1 — all on EP rank 0 — through a large choice bias set at start-up
+    (on the reference too): the other EP ranks receive no token and still take part in every collective."""
+    from loom.models.router import Router
+
+    reset = Router.reset_buffers
+
+    def skewed(self):
+        reset(self)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias[:2] = 100.0
+
+    Router.reset_buffers = skewed
+    try:
+        return run_verify(overrides, steps)
+    finally:
+        Router.reset_buffers = reset
+
+
+def test_skewed_routing_to_one_ep_rank(worlds):
+    skew = ["--layout.language.ep=2", "--model.language.router_bias=true", "--model.language.router_bias_update_rate=0"]
+    per_rank = worlds.run(4, _verify_skewed, MOE + skew, STEPS, timeout=300)
+    assert_all_passed("ep2-skewed", per_rank, STEPS)

@@ -63,8 +63,11 @@ class Experts(nn.Module):
             xe = x[start : start + n]
             out.append((F.silu(xe @ gate[e].t()) * (xe @ up[e].t())) @ down[e].t())
             start += n
-        if not out:  # no token here at all: zeros still tied to the weights, so each gets a (zero) gradient
-            return x.new_zeros(0, x.shape[-1]) + 0.0 * (gate.sum() + up.sum() + down.sum())
+        if not out:
+            # no token here at all (expert parallelism: none routed to this rank): the first expert on the empty
+            # run keeps the output tied to the weights and to `x`, so the backward still reaches the all-to-all
+            # that brought `x` — every rank must take part in it
+            return (F.silu(x @ gate[0].t()) * (x @ up[0].t())) @ down[0].t()
         return torch.cat(out)
 
     @staticmethod
