@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from loom.data.spans import TokenSpans
 from loom.models.experts import grouped_mm
 from loom.models.llm import LLMConfig
 from loom.models.moe import MoEBlock, aux_loss_scale
@@ -120,10 +121,11 @@ def test_counts_skip_padding_and_recomputation():
     x = torch.randn(12, D, requires_grad=True)
     counted = torch.tensor([True] * 9 + [False] * 3)
     with set_checkpoint_early_stop(False):  # recompute the whole forward, the counting included
-        checkpoint(b, x, counted, use_reentrant=False).sum().backward()  # recomputed in backward: counted once
+        # recomputed in backward: counted once
+        checkpoint(b, x, TokenSpans(counted=counted), use_reentrant=False).sum().backward()
     with torch.no_grad():
         want = torch.bincount(b.gate(x[:9]).experts.flatten(), minlength=E).float()
-        b(x, counted)  # no gradient: a held-out pass, not counted
+        b(x, TokenSpans(counted=counted))  # no gradient: a held-out pass, not counted
     assert torch.equal(b.tokens_per_expert, want) and want.sum() == 18
 
 
@@ -134,9 +136,9 @@ def test_z_loss_adds_its_gradient_only():
     x, g = torch.randn(10, D), torch.randn(10, D)
     counted = torch.tensor([True] * 8 + [False] * 2)
     with aux_loss_scale(scale):
-        y = b(x, counted)
+        y = b(x, TokenSpans(counted=counted))
         y.backward(g)
-    y_plain = plain(x, counted)
+    y_plain = plain(x, TokenSpans(counted=counted))
     z = torch.logsumexp(x[:8] @ plain.gate.weight.T, -1).square().sum()
     (y_plain * g).sum().add(coef * scale * z).backward()
     assert torch.equal(y.detach(), y_plain.detach())
@@ -194,3 +196,31 @@ def test_initial_expert_and_router_weights_are_drawn():
         t = initial_value(f"language.{name}", lm.get_submodule(owner), attr, lm.get_parameter(name).shape, 0,
                           torch.device("cpu"), 0.02)
         assert abs(t.std().item() - 0.02) < 0.002, name
+
+
+
+def test_sequence_balance_loss_gradient_is_the_per_sample_definition():
+    """Packed samples of 5, 7 (+1 padding) and 4 tokens and a 3-token filler: the router's gradient gains
+    coef · scale · ∂Σ_s Σ_e f_se P_se, f from the sample's counted tokens only, P its mean normalised scores."""
+    coef, scale = 0.1, 0.25
+    spec = RouterSpec(E, 2, "sigmoid")
+    b, plain = _block(spec), _block(spec)
+    b.seq_aux_loss_coef = coef
+    lengths, real = [5, 8, 4, 3], [5, 7, 4, 0]
+    counted = torch.cat([torch.arange(n) < r for n, r in zip(lengths, real)])
+    spans = TokenSpans.from_lengths(lengths)
+    x, g = torch.randn(20, D), torch.randn(20, D)
+    with aux_loss_scale(1.0, scale):
+        b(x, TokenSpans(cu_seqlens=spans.cu_seqlens, bounds=spans.bounds, counted=counted)).backward(g)
+    want = (plain(x) * g).sum()
+    start = 0
+    for n, r in zip(lengths, real):
+        if r:
+            route = plain.gate(x[start:start + r])
+            f = torch.bincount(route.experts.flatten(), minlength=E).float() * E / (2 * r)
+            p = route.scores / route.scores.sum(-1, keepdim=True)
+            want = want + coef * scale * (f * p.mean(0)).sum()
+        start += n
+    want.backward()
+    assert (b.gate.weight.grad - plain.gate.weight.grad).abs().max() < 1e-6
+    assert (b.gate.weight.grad - torch.autograd.grad((plain(x) * g).sum(), plain.gate.weight)[0]).abs().max() > 1e-4

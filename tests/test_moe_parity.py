@@ -14,6 +14,7 @@ MOE = ["--model.language.num_layers=3", "--model.language.hidden_size=64", "--mo
        "--model.language.num_experts=8", "--model.language.num_experts_per_tok=2",
        "--model.language.moe_intermediate_size=32", "--model.language.mlp_only_layers=[0]",
        "--model.language.router_bias_update_rate=0.01", "--model.language.router_z_loss_coef=0.001",
+       "--model.language.router_seq_aux_loss_coef=0.01",
        "--train.global_batch_size=8"]
 STEPS = 2
 TOKENS = "--data.tokens_per_microbatch=256"

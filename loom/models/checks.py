@@ -73,7 +73,8 @@ def check_experts(lm: LLMConfig) -> None:
                         f"{key}.n_shared_experts": lm.n_shared_experts,
                         f"{key}.first_k_dense_replace": lm.first_k_dense_replace,
                         f"{key}.router_bias_update_rate": lm.router_bias_update_rate,
-                        f"{key}.router_z_loss_coef": lm.router_z_loss_coef})
+                        f"{key}.router_z_loss_coef": lm.router_z_loss_coef,
+                        f"{key}.router_seq_aux_loss_coef": lm.router_seq_aux_loss_coef})
     if lm.num_experts_per_tok > lm.num_experts:
         raise ConfigError(f"{key}.num_experts_per_tok = {lm.num_experts_per_tok} must be ≤ num_experts = "
                           f"{lm.num_experts} (valid: 1…{lm.num_experts})")

@@ -55,6 +55,7 @@ class LLMConfig:
     router_bias: bool = False  # a selection-only bias per expert (DeepSeek-V3's e_score_correction_bias)
     router_bias_update_rate: float = 0.0  # aux-loss-free balancing: the bias moves by this once per step
     router_z_loss_coef: float = 0.0  # router z-loss weight (mean over tokens of logsumexp(logits)²)
+    router_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss weight (mean over samples)
     expert_kernel: str = choice("auto", "auto", "loop", "grouped")  # auto: grouped GEMM on CUDA in bf16, else loop
 
     @property
@@ -112,7 +113,8 @@ class DecoderLayer(nn.Module):
         self.sparse = cfg.is_sparse(index)
         if self.sparse:
             self.mlp = MoEBlock(cfg.hidden_size, cfg.router_spec(), cfg.moe_intermediate_size or cfg.intermediate_size,
-                                cfg.n_shared_experts, cfg.expert_kernel, cfg.router_z_loss_coef)
+                                cfg.n_shared_experts, cfg.expert_kernel, cfg.router_z_loss_coef,
+                                cfg.router_seq_aux_loss_coef)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
@@ -122,8 +124,8 @@ class DecoderLayer(nn.Module):
         # the cache only when there is one: tensor parallel's input plans count a module's arguments
         h = h + (self.self_attn(x, rope, spans) if cache is None else self.self_attn(x, rope, spans, cache))
         x = self.post_attention_layernorm(h)
-        # an expert block is told which tokens its load statistics count (not padding or filler)
-        return h + (self.mlp(x, spans.counted) if self.sparse else self.mlp(x))
+        # an expert block is told the samples and which tokens its load statistics count (not padding or filler)
+        return h + (self.mlp(x, spans) if self.sparse else self.mlp(x))
 
 
 class DecoderLM(nn.Module):

@@ -74,6 +74,13 @@ class ContextShard:
     q_spans: tuple[TokenSpans, TokenSpans]  # per-sample query lengths of each half
     k_spans: tuple[TokenSpans, TokenSpans]  # per-sample key prefix lengths of each half
 
+    @torch.compiler.disable
+    def sum_over_context(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (no gradient: counts) summed over the cp group, e.g. a sample's tokens per expert from its shards."""
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
     @torch.compiler.disable  # its K/V collectives stay eager: a compiled block splits around them
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: str) -> torch.Tensor:
         if not causal:

@@ -102,8 +102,10 @@ def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs,
     # graph outputs, all read by now (a counter: nothing else happens without graphs)
     torch.compiler.cudagraph_mark_step_begin()
     plan.rows.begin(model, inputs.microbatches, train)  # three-phase: the encoders on the whole step
-    # the experts' auxiliary losses scale their gradient as the token loss does: by the global normaliser
-    with aux_loss_scale(1.0 / normaliser) if train else contextlib.nullcontext():
+    # the experts' auxiliary losses scale their gradients by the global batch's counts: a token's z-loss as the
+    # token loss, a sample's balance term by the global sample count
+    scales = (1.0 / normaliser, 1.0 / max(1, inputs.sequences))
+    with aux_loss_scale(*scales) if train else contextlib.nullcontext():
         loss = plan.runner.run(model, inputs.microbatches, plan.rows, objective, normaliser, plan.run_context, train)
     plan.rows.finish()  # three-phase: the rows' gradients back into the encoders; sends completed
     return loss
