@@ -37,6 +37,9 @@ LAYOUTS = {
     # each tp coordinate its own EP group (experts replicated over tp); vision dp4 fans in to LLM dp2
     "ep2-tp2-sp-fan-in": (4, ["--layout.language.ep=2", "--layout.language.tp=2", "--layout.vision.tp=1",
                               "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]),
+    # encoders on ranks 0-1 of their own, the LLM dp2·ep2 on 2-3 (point-to-point bridge)
+    "ep2-non-colocated": (4, ["--layout.language.ep=2", '--layout.language.ranks="2-3"',
+                              '--layout.vision.ranks="0-1"', '--layout.audio.ranks="0-1"']),
     "ep2-pp2xdp2": (4, ["--layout.language.ep=2", "--layout.language.pp=2", "--train.microbatches=2", TOKENS,
                         "--layout.vision.tp=1", "--layout.audio.tp=1"]),  # each stage its own EP group
 }
