@@ -41,7 +41,9 @@ class Experts(nn.Module):
                 down: torch.Tensor) -> torch.Tensor:
         """The experts whose weights are given (all, or expert parallelism's local ones) on their sorted tokens."""
         w = (gate, up, down)
-        return self._grouped(x, counts, w) if self.use_grouped(x) else self._loop(x, counts, w)
+        if not self.use_grouped(x):
+            return self._loop(x, counts, w)
+        return self._grouped(x.to(_compute_dtype(x)), counts, w)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.kernel == "loop" or grouped_mm is None:
@@ -49,8 +51,9 @@ class Experts(nn.Module):
         if self.kernel == "grouped":
             return True
         # auto: the GPU's kernel where its layout rules hold (bf16, 16-byte rows); the loop elsewhere
-        aligned = all(n * x.element_size() % 16 == 0 for n in self.gate_proj.shape[1:])
-        return x.is_cuda and x.dtype == torch.bfloat16 and aligned
+        dtype = _compute_dtype(x)
+        aligned = all(n * dtype.itemsize % 16 == 0 for n in self.gate_proj.shape[1:])
+        return x.is_cuda and dtype == torch.bfloat16 and aligned
 
     @staticmethod
     def _loop(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -76,3 +79,11 @@ class Experts(nn.Module):
         gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)
         h = F.silu(grouped_mm(x, gate, offs=offsets)) * grouped_mm(x, up, offs=offsets)
         return grouped_mm(h, down, offs=offsets)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the matmuls run in: autocast's dtype when it is on (one process in bf16: the stream stays fp32),
+    else x's (FSDP's mixed precision hands bf16 tokens)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
