@@ -231,7 +231,8 @@ def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
             busy = sum(e.self_device_time_total for e in events
                        if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e6
             f.write(f"wall {wall_s:.3f} s, device kernels {busy:.3f} s ({busy / wall_s:.0%} of wall)\n\n")
-            f.write(events.table(sort_by="self_device_time_total", row_limit=40) + "\n")
+            rows = int(os.environ.get("PROFILE_ROWS", "40"))  # more rows to sort every kernel into a category
+            f.write(events.table(sort_by="self_device_time_total", row_limit=rows) + "\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
 
 

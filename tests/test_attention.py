@@ -227,6 +227,9 @@ def test_bshd_and_thd_gradients_agree(tiny_model, mixed_samples, tok):
     for name in grads[0]:
         a, b = grads[0][name], grads[1][name]
         assert torch.isfinite(b).all(), name
+        if name.endswith("k_proj.bias"):  # zero in exact arithmetic (softmax ignores a shift shared by all keys):
+            assert max(a.abs().max().item(), b.abs().max().item()) < 1e-5, name  # rounding noise, both layouts
+            continue
         scale = max(b.abs().max().item(), 1e-6)
         assert (a - b).abs().max().item() <= 1e-4 * scale, name
 

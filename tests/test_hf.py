@@ -440,3 +440,29 @@ def test_a_qwen3_trained_under_tp4_over_2_kv_heads_exports_its_weights(hf, world
     assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
     back = build_pretrained(tmp_path / "hf" / "language").state_dict()  # loom → HF → loom is exact
     assert back.keys() == trained[0].keys() and all(torch.equal(back[k], v) for k, v in trained[0].items())
+
+
+def test_a_resumed_run_keeps_the_folders_as_its_initial_reference(hf, tmp_path):
+    """train.reference = "initial" is the Hugging Face folder's weights, also after a resume (which takes the
+    policy from its checkpoint, but must not take the reference from seeded draws)."""
+    import loom.data.source
+    from test_grpo import _with_rl_fields
+
+    llama, folder = hf("llama")
+    overrides = [f"--model.language.hf={folder}", "--data.train_size=16", "--data.heldout_size=2",
+                 "--train.global_batch_size=4", "--train.steps=2", "--train.device=cpu", "--run.tensorboard=false",
+                 "--run.progress=false", f"--run.out_dir={tmp_path}/run", "--train.objective=grpo",
+                 "--train.reference=initial", "--data.workers=0"]
+    plain = loom.data.source.to_sample
+    loom.data.source.to_sample = _with_rl_fields(plain)
+    try:
+        first = Trainer(load_config(None, overrides))
+        first.train_step()
+        first.checkpoint()
+        resumed = Trainer(load_config(None, [*overrides, "--run.resume=auto"]))
+    finally:
+        loom.data.source.to_sample = plain
+    assert resumed.step == 1
+    name = "language.layers.1.mlp.down_proj.weight"
+    assert torch.equal(resumed.plan.reference.parts[name], llama.model.layers[1].mlp.down_proj.weight)
+    assert torch.equal(resumed.model.get_parameter(name), first.model.get_parameter(name))  # the checkpoint's

@@ -14,7 +14,10 @@ from conftest import tiny_job_overrides
 
 from loom.config import ConfigError
 from loom.job import load_config
+from loom.data.sample import Sample
 from loom.rl.rewards import all_equal, exact_match, group_advantages, load_reward, reward_of
+from loom.rl.rollouts import Prompt, Rollout
+from loom.rl.sampler import Completion
 
 
 def test_group_advantages_and_exact_match():
@@ -97,9 +100,12 @@ def _first_iterations(root: str, overrides: list[str]) -> list[dict[str, float]]
     return [loop.iterate() for _ in range(2)]
 
 
-LAYOUTS = {  # 4 ranks: loom's default heterogeneous layout, and the LLM pipelined
-    "heterogeneous": ["--layout.vision.tp=2", "--layout.audio.tp=1", "--layout.language.tp=1"],
-    "llm-pp2": ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=256"],
+LAYOUTS = {  # (ranks, overrides): loom's default heterogeneous layout, the LLM pipelined, and the encoders on a
+    # rank of their own (the LLM's ranks then sample with encoders they received by the stream)
+    "heterogeneous": (4, ["--layout.vision.tp=2", "--layout.audio.tp=1", "--layout.language.tp=1"]),
+    "llm-pp2": (4, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=256"]),
+    "noncolocated": (3, ["--layout.vision.ranks=0-0", "--layout.audio.ranks=0-0", "--layout.language.ranks=1-2",
+                         "--data.tokens_per_microbatch=256"]),
 }
 
 
@@ -107,8 +113,9 @@ LAYOUTS = {  # 4 ranks: loom's default heterogeneous layout, and the LLM pipelin
 def test_the_loop_under_a_layout_starts_as_one_process_does(worlds, tmp_path, name):
     """The first iteration samples from the same weights on every layout, so its completions, rewards and
     trained rollouts are the one process's exactly, and its GRPO loss equal to rounding; the second runs too."""
-    per_rank = worlds.run(4, _first_iterations, str(tmp_path / "layout"), LAYOUTS[name], timeout=300)
-    alone = _first_iterations(str(tmp_path / "alone"), [o for o in LAYOUTS[name] if "layout." not in o])
+    ranks, overrides = LAYOUTS[name]
+    per_rank = worlds.run(ranks, _first_iterations, str(tmp_path / "layout"), overrides, timeout=300)
+    alone = _first_iterations(str(tmp_path / "alone"), [o for o in overrides if "layout." not in o])
     def measured(iterations):  # all but the speeds, which each rank times itself
         return [{k: v for k, v in m.items() if not k.endswith("_per_s")} for m in iterations]
 
@@ -144,7 +151,7 @@ def test_a_users_jsonl_prompts_are_sampled_to_their_generation_prompt(tmp_path):
     data = write_user_data(tmp_path / "data", n=12, seed=2)
     prompts = _prompt_lines(data)
     overrides = user_data_overrides(tmp_path, "--data.workers=0")
-    loop = _loop(tmp_path / "run", *overrides, f"--rl.prompts={prompts}")
+    loop = _loop(tmp_path / "run", *overrides, f"--rl.prompts={prompts}", "--rl.steps_per_iteration=1")
     first = loop.prompts[0]
     chat = loop.trainer.tok
     # the template's generation prompt closes the prompt: the answer is the sampler's to write
@@ -152,7 +159,50 @@ def test_a_users_jsonl_prompts_are_sampled_to_their_generation_prompt(tmp_path):
     assert first.record["answer"] and first.where.endswith("prompts.jsonl:1") and first.sample.images
     metrics = loop.iterate()
     assert metrics["rl/response_length"] > 0 and metrics["rl/reward_errors"] == 0
+    # one step per iteration: no scoring pass; the step compares the sampler's logprobs with its own
+    assert metrics["rl/logprob_mismatch"] < 1e-5 and "grpo/sampler_mismatch" not in metrics
     bad = _prompt_lines(data, lambda i, line: line["messages"].append({"role": "assistant", "content": "x"})
                         if i == 2 else None)
     with pytest.raises(BadSample, match=r"prompts\.jsonl:3: a prompt ends with an assistant turn"):
         _loop(tmp_path / "bad", *overrides, f"--rl.prompts={bad}")
+
+
+def test_dpo_on_the_policys_own_pairs(tmp_path):
+    """Under train.objective = "dpo" each group's best and worst completions become a pair (their rewards differ);
+    held-out pairs come from the reference's completions, where every margin is exactly 0 (accuracy 0), and
+    training on the policy's pairs moves them."""
+    from loom.rl.pairs import preference_pairs
+
+    loop = _loop(tmp_path / "dpo", "--train.objective=dpo", "--train.dpo.beta=0.5", "--rl.steps_per_iteration=1",
+                 "--data.heldout_size=8", "--rl.group_size=4", "--train.lr=1e-2")
+    assert loop.heldout_pairs and len(loop.heldout_pairs) % 2 == 0
+    before = loop.evaluate()
+    assert before["pairs/margin"] == 0.0 and before["pairs/accuracy"] == 0.0
+    metrics = loop.iterate()
+    assert metrics["rl/trained_rollouts"] > 0 and metrics["rl/trained_rollouts"] % 2 == 0
+    assert metrics["dpo/accuracy"] == 0.0  # the step's pairs, scored on the weights that sampled them
+    after = loop.evaluate()
+    assert after["pairs/margin"] != 0.0
+    rollouts = [Rollout(0, Completion([5, 2], [0.0, 0.0]), 1.0), Rollout(0, Completion([7], [0.0]), 0.0),
+                Rollout(1, Completion([5], [0.0]), 1.0), Rollout(1, Completion([6], [0.0]), 1.0)]
+    prompts = [Prompt(Sample([1, 3], [False, False], [], []), {}, f"p{i}") for i in range(2)]
+    pairs, equal = preference_pairs(prompts, rollouts)
+    assert equal == 1 and [[s.tokens for s in pair] for pair in pairs] == [[[1, 3, 5, 2], [1, 3, 7]]]
+    assert pairs[0][0].supervised == [False, False, True, True]
+
+
+def test_too_long_prompts_and_empty_completions_are_named_and_counted(tmp_path, capsys):
+    """A prompt whose rollout (prompt + rl.max_new_tokens) exceeds the token budget is skipped, named and counted;
+    an empty completion (the end of sequence at once) is named and counted, and still trained on."""
+    loop = _loop(tmp_path / "bad", "--data.tokens_per_microbatch=256", "--rl.max_new_tokens=226")
+    prompts = [loop.prompts[i] for i in range(8)]  # 19 to 37 tokens: those over 30 do not fit with 226 more
+    kept, too_long = loop._fitting(prompts)
+    assert too_long == sum(len(p.sample) + 226 > 256 for p in prompts) > 0 and len(kept) == 8 - too_long
+    long = next(p for p in prompts if len(p.sample) + 226 > 256)
+    assert f"{long.where}: {len(long.sample)} prompt tokens + rl.max_new_tokens = 226 exceed " \
+           f"data.tokens_per_microbatch = 256" in capsys.readouterr().out
+    eos = loop.trainer.tok.eos_id
+    rollouts = [Rollout(0, Completion([eos], [0.0])), Rollout(0, Completion([ord("a"), eos], [0.0, 0.0]))]
+    counts = loop._rewarded(prompts[:1], rollouts)
+    assert counts == {"rl/reward_errors": 0.0, "rl/empty_completions": 1.0}
+    assert f"1 empty completions, e.g. of {prompts[0].where}" in capsys.readouterr().out

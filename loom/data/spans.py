@@ -26,6 +26,9 @@ class TokenSpans:
     # bool per token, True at a sample's own tokens (not its padding, not filler): what statistics such as the
     # experts' load count, so they do not change with the layout's padding; None: every token counts
     counted: torch.Tensor | None = None
+    # every sample this many tokens long (empty padding segments aside), 0 otherwise: SDPA then attends over the
+    # samples as rows of one batch, in one call (models/attention.py); a host int, so compiled code may branch on it
+    equal_length: int = 0
 
     @property
     def packed(self) -> bool:
@@ -53,8 +56,9 @@ class TokenSpans:
         bounds = tuple(cu.tolist())  # still the host tensor: no sync
         # non_blocking: a plain host-to-device copy would also wait for the stream to drain
         cu = cu.to(device, non_blocking=True)
+        real = {n for n in lengths if n}
         return TokenSpans(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend,
-                          bounds=bounds)
+                          bounds=bounds, equal_length=real.pop() if len(real) == 1 else 0)
 
     @staticmethod
     def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenSpans:

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
-from loom.models.layers import GeluMLP
+from loom.models.layers import GeluMLP, project
 
 
 class EncoderAttention(nn.Module):
@@ -23,7 +23,7 @@ class EncoderAttention(nn.Module):
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, spans: TokenSpans) -> torch.Tensor:
-        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in project(x, (self.q_proj, self.k_proj, self.v_proj)))
         return self.out_proj(attend(q, k, v, spans, causal=False).flatten(-2))
 
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
 from loom.models.kv_cache import KVCache, LayerCache
-from loom.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 from loom.models.experts import Experts
+from loom.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, project
 from loom.models.moe import MoEBlock
 from loom.models.router import Router, RouterSpec
 from loom.typed_config import choice
@@ -91,10 +91,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans,
                 cache: LayerCache | None = None) -> torch.Tensor:
+        # one fused matmul when training or scoring; a decode step keeps three (the concatenated weights would
+        # be one more pass over them per token)
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = project(x, linears) if cache is None else (p(x) for p in linears)
         # heads inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)

@@ -7,7 +7,8 @@ the loss max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)), capped at −A�
 Per-token inputs are fields of the batch (aligned with the labels: field i belongs to the token label i
 names): `advantage`, and optionally `logprobs` (lp_old) and `ref_logprobs` (lp_ref). Without `logprobs`, lp_old
 is lp itself, detached: the value a scoring pass at the step's start would give on these weights (r = 1
-exactly, the gradient −A·∇lp), without running one.
+exactly, the gradient −A·∇lp), without running one. `sampler_logprobs`, when present, only measure: the
+mean |lp − theirs| is the `sampler_mismatch` metric (loom rl's one-step iterations: no scoring pass needed).
 
 Normalisation, from host data, so every layout equals one process: "token" divides by the global batch's
 completion tokens; "sequence" weighs each token by 1 / its sequence's completion tokens (a field derived
@@ -25,8 +26,10 @@ from loom.rl.token_stats import chunked_token_stats
 from loom.train.inputs import StepInputs
 
 ADVANTAGE, BEHAVIOUR, REFERENCE = "advantage", "logprobs", "ref_logprobs"
+SAMPLER = "sampler_logprobs"  # the sampler's own logprobs (loom rl, one step per iteration): their gap is a metric
 SEQUENCE_WEIGHT = "sequence_weight"  # derived by the objective (normalise = "sequence")
-METRICS = ("clip_fraction", "kl", "entropy", "ratio", "ratio_deviation")
+# sampler_mismatch: the mean |lp − sampler's lp| where the data carries the sampler's, else 0
+METRICS = ("clip_fraction", "kl", "entropy", "ratio", "ratio_deviation", "sampler_mismatch")
 
 
 class GRPO(MetricSums):
@@ -68,7 +71,8 @@ class GRPO(MetricSums):
         if cfg.kl_beta:
             loss = loss + cfg.kl_beta * kl
         weight = mask * fields[SEQUENCE_WEIGHT] if cfg.normalise == "sequence" else mask
-        self.add_metrics(mask, [clipped > unclipped, kl, stats.entropy, ratio, (ratio - 1).abs()])
+        gap = (lp.detach() - fields[SAMPLER]).abs() if SAMPLER in fields else torch.zeros_like(lp)
+        self.add_metrics(mask, [clipped > unclipped, kl, stats.entropy, ratio, (ratio - 1).abs(), gap])
         return (loss * weight).sum()
 
 

@@ -37,8 +37,10 @@ class Trainer:
         rl`'s rl.init checkpoint); a resumed run then loads its own checkpoint over them. `rollouts`: `loom rl`
         drives the steps with its own samples."""
         self.resume_from = resume_path(cfg.run.resume, cfg.run.out_dir)  # files only: the same on every rank
-        # a resumed run takes its weights from the checkpoint: no Hugging Face folder is read
-        job = build_job(cfg, device, pretrained=self.resume_from is None, weights=weights, rollouts=rollouts)
+        # a resumed run takes its weights from the checkpoint: no Hugging Face folder is read, unless the reference
+        # policy is the initial one (train.reference = "initial"), which the folders still are
+        pretrained = self.resume_from is None or cfg.train.reference == "initial"
+        job = build_job(cfg, device, pretrained=pretrained, weights=weights, rollouts=rollouts)
         self.cfg = cfg = job.cfg
         self.device, self.tok, self.model, self.counters = job.device, job.tok, job.model, job.counters
         self.data = job.data
