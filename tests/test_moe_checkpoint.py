@@ -4,6 +4,7 @@ the routers' choice bias (a persistent buffer the load-balance update moves) tra
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,16 @@ def test_reshard_ep2_to_ep4_and_to_one_process(worlds, ep2_run, tmp_path):
     assert _one_process(tmp_path / "one", 3, 0, str(ep2_run / "step-2"), MOE) == 2
     _assert_continues(ep2_run, tmp_path / "one", [3], exact=False)
     assert _losses(Path(ep2_run))[1] != _losses(Path(ep2_run))[3]  # training moved: the comparison means something
+    # each sparse layer's max / mean load, from whole-step counts: 4 ranks (gathered to rank 0) report what one
+    # process does
+    loads = [_expert_loads(d)[3] for d in (ep2_run, tmp_path / "ep4", tmp_path / "one")]
+    assert loads[0] == loads[1] == loads[2] and loads[0]["expert_load/1"] >= 1.0, loads
+
+
+def _expert_loads(out_dir: Path) -> dict[int, dict[str, float]]:
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("expert_load/")} for r in rows
+            if r["kind"] == "train"}
 
 
 def test_the_router_bias_is_restored(ep2_run, tmp_path):
