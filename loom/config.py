@@ -168,6 +168,8 @@ class ModuleLayoutConfig:
     # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for the LLM the whole world
     ranks: str | int = ""
     sequence_parallel: bool = False  # shard the residual stream's tokens (an encoder's packed rows) over tp
+    # LLM with experts: split them over ep ranks, a view of its dp×cp ranks (the rest shard them by FSDP2)
+    ep: int = 1
 
 
 @dataclass

@@ -46,7 +46,8 @@ class Batch:
         """Every tensor through `fn`; the host ids stay on the host."""
         sp = self.spans
         spans = replace(sp, cu_seqlens=None if sp.cu_seqlens is None else fn(sp.cu_seqlens),
-                         pad_mask=None if sp.pad_mask is None else fn(sp.pad_mask))
+                         pad_mask=None if sp.pad_mask is None else fn(sp.pad_mask),
+                         counted=None if sp.counted is None else fn(sp.counted))
         return Batch(fn(self.input_ids), fn(self.labels), fn(self.positions), spans,
                      {k: [fn(t) for t in v] for k, v in self.modality_inputs.items()},
                      self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids,
@@ -124,5 +125,7 @@ def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backen
     # SDPA kernels without a safe softmax); it has no labels, so it adds nothing to the loss or the gradients
     mask[len(samples):, 0] = True
     positions = torch.arange(seq).expand(rows, seq).clone()
-    return Batch(ids, labels, positions, TokenSpans.from_pad_mask(mask, backend), gather_modality_inputs(samples),
-                 fields=fields)
+    counted = mask.clone()
+    counted[len(samples):] = False  # a filler row's token marked real for attention is not a sample's
+    spans = replace(TokenSpans.from_pad_mask(mask, backend), counted=counted)
+    return Batch(ids, labels, positions, spans, gather_modality_inputs(samples), fields=fields)

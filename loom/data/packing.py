@@ -11,6 +11,8 @@ Invariants (each one tested):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from loom.data.batch import IGNORE_INDEX, Batch, field_names, gather_modality_inputs, round_up, shifted_labels
@@ -60,11 +62,16 @@ def pack_samples(
             lengths.append(fill)
             for values in fields.values():
                 values += [0.0] * fill
+    counted = torch.zeros(len(ids), dtype=torch.bool)  # each sample's own tokens: not its padding, not filler
+    start = 0
+    for s, n in zip(samples, lengths):
+        counted[start : start + len(s)] = True
+        start += n
     return Batch(
         torch.tensor(ids, dtype=torch.long),
         torch.tensor(labels, dtype=torch.long),
         torch.tensor(positions, dtype=torch.long),
-        TokenSpans.from_lengths(lengths, backend=backend),
+        replace(TokenSpans.from_lengths(lengths, backend=backend), counted=counted),
         gather_modality_inputs(samples),
         fields={name: torch.tensor(values, dtype=torch.float32) for name, values in fields.items()},
     )

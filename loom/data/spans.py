@@ -23,6 +23,9 @@ class TokenSpans:
     context: object | None = None
     # cu_seqlens as host ints when built from host lengths: per-sample loops read these, never the device copy
     bounds: tuple[int, ...] | None = None
+    # bool per token, True at a sample's own tokens (not its padding, not filler): what statistics such as the
+    # experts' load count, so they do not change with the layout's padding; None: every token counts
+    counted: torch.Tensor | None = None
     # every sample this many tokens long (empty padding segments aside), 0 otherwise: SDPA then attends over the
     # samples as rows of one batch, in one call (models/attention.py); a host int, so compiled code may branch on it
     equal_length: int = 0

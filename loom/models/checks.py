@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from loom.models.experts import grouped_mm
 from loom.models.llm import LLMConfig
 from loom.models.multimodal import ModelConfig
-from loom.typed_config import ConfigError, check_positive
+from loom.typed_config import ConfigError, check_non_negative, check_positive
 
 # sizes that must be ≥ 1 in every model config that has them (head_dim 0 means "derived")
 SIZE_FIELDS = {
@@ -49,7 +52,45 @@ def check_language(lm: LLMConfig, tokenizer_vocab: int) -> None:
         )
     if lm.dim_per_head % 2:
         raise ConfigError(f"model.language head dim = {lm.dim_per_head} must be even for rotary embedding")
+    check_experts(lm)
     if lm.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.language.vocab_size = {lm.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids"
         )
+
+
+def check_experts(lm: LLMConfig) -> None:
+    """The mixture-of-experts keys of [model.language]; nothing to check for a dense LLM (num_experts = 0)."""
+    key = "model.language"
+    if lm.num_experts < 0:
+        raise ConfigError(f"{key}.num_experts = {lm.num_experts} must be ≥ 0 (0: every layer dense)")
+    if not lm.num_experts:
+        return
+    check_positive({f"{key}.num_experts_per_tok": lm.num_experts_per_tok, f"{key}.n_group": lm.n_group,
+                    f"{key}.topk_group": lm.topk_group, f"{key}.decoder_sparse_step": lm.decoder_sparse_step,
+                    f"{key}.routed_scaling_factor": lm.routed_scaling_factor})
+    check_non_negative({f"{key}.moe_intermediate_size": lm.moe_intermediate_size,
+                        f"{key}.n_shared_experts": lm.n_shared_experts,
+                        f"{key}.first_k_dense_replace": lm.first_k_dense_replace,
+                        f"{key}.router_bias_update_rate": lm.router_bias_update_rate,
+                        f"{key}.router_z_loss_coef": lm.router_z_loss_coef,
+                        f"{key}.router_seq_aux_loss_coef": lm.router_seq_aux_loss_coef})
+    if lm.num_experts_per_tok > lm.num_experts:
+        raise ConfigError(f"{key}.num_experts_per_tok = {lm.num_experts_per_tok} must be ≤ num_experts = "
+                          f"{lm.num_experts} (valid: 1…{lm.num_experts})")
+    if lm.num_experts % lm.n_group:
+        raise ConfigError(f"{key}.n_group = {lm.n_group} must divide num_experts = {lm.num_experts} (valid: "
+                          f"{[d for d in range(1, lm.num_experts + 1) if lm.num_experts % d == 0]})")
+    if lm.topk_group > lm.n_group:
+        raise ConfigError(f"{key}.topk_group = {lm.topk_group} must be ≤ n_group = {lm.n_group}")
+    reachable = lm.topk_group * (lm.num_experts // lm.n_group)
+    if lm.num_experts_per_tok > reachable:
+        raise ConfigError(f"{key}.num_experts_per_tok = {lm.num_experts_per_tok} exceeds the {reachable} experts "
+                          f"of the topk_group = {lm.topk_group} groups a token may use (valid: 1…{reachable})")
+    bad = [i for i in lm.mlp_only_layers if not 0 <= i < lm.num_layers]
+    if bad:
+        raise ConfigError(f"{key}.mlp_only_layers = {lm.mlp_only_layers}: layers {bad} do not exist "
+                          f"(valid: 0…{lm.num_layers - 1})")
+    if lm.expert_kernel == "grouped" and grouped_mm is None:
+        raise ConfigError(f"{key}.expert_kernel = 'grouped' needs torch's grouped_mm, which torch "
+                          f"{torch.__version__} lacks; use 'auto' or 'loop'")

@@ -19,7 +19,9 @@ import math
 import torch
 import torch.nn as nn
 
+from loom.models.experts import Experts
 from loom.models.layers import RMSNorm
+from loom.models.router import Router
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -39,6 +41,8 @@ def initial_value(name: str, owner: nn.Module, attr: str, shape: torch.Size, see
     out = torch.empty(shape, device=device)
     if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding)):
         return out.normal_(0.0, llm_std, generator=gen) if attr == "weight" else out.zero_()
+    if llm_std is not None and isinstance(owner, (Router, Experts)):  # every tensor a weight (gate_proj, …)
+        return out.normal_(0.0, llm_std, generator=gen)
     if isinstance(owner, nn.Embedding):
         return out.normal_(0.0, 1.0, generator=gen)
     if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d)):

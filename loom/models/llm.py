@@ -6,7 +6,7 @@ Layers live in a ModuleDict keyed by their index: a pipeline stage can drop laye
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,11 @@ import torch.nn.functional as F
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
 from loom.models.kv_cache import KVCache, LayerCache
+from loom.models.experts import Experts
 from loom.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, project
+from loom.models.moe import MoEBlock
+from loom.models.router import Router, RouterSpec
+from loom.typed_config import choice
 
 
 @dataclass
@@ -35,10 +39,42 @@ class LLMConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head before RoPE
     init_std: float = 0.02
     hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
+    # mixture of experts (0 experts: every layer dense). Names as in Hugging Face's Qwen3-MoE / DeepSeek-V3 configs
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0  # each routed expert's width (0: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here ...
+    first_k_dense_replace: int = 0  # ... and i ≥ this (DeepSeek-V3's first dense layers)
+    router_score: str = choice("softmax", "softmax", "sigmoid")  # softmax: Qwen3-MoE; sigmoid: DeepSeek-V3
+    n_group: int = 1  # group-limited routing (DeepSeek-V3): experts in n_group groups, the topk_group best kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # shared experts every token goes through (one SwiGLU n × moe_intermediate_size)
+    router_bias: bool = False  # a selection-only bias per expert (DeepSeek-V3's e_score_correction_bias)
+    router_bias_update_rate: float = 0.0  # aux-loss-free balancing: the bias moves by this once per step
+    router_z_loss_coef: float = 0.0  # router z-loss weight (mean over tokens of logsumexp(logits)²)
+    router_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss weight (mean over samples)
+    expert_kernel: str = choice("auto", "auto", "loop", "grouped")  # auto: grouped GEMM on CUDA in bf16, else loop
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has a mixture-of-experts MLP: Qwen3-MoE's and DeepSeek-V3's rules."""
+        return (self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+                and layer not in self.mlp_only_layers and layer >= self.first_k_dense_replace)
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_sparse(i)]
+
+    def router_spec(self) -> RouterSpec:
+        return RouterSpec(self.num_experts, self.num_experts_per_tok, self.router_score, self.norm_topk_prob,
+                          self.n_group, self.topk_group, self.routed_scaling_factor,
+                          self.router_bias or self.router_bias_update_rate > 0)
 
 
 class Attention(nn.Module):
@@ -71,19 +107,27 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LLMConfig) -> None:
+    def __init__(self, cfg: LLMConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.sparse = cfg.is_sparse(index)
+        if self.sparse:
+            self.mlp = MoEBlock(cfg.hidden_size, cfg.router_spec(), cfg.moe_intermediate_size or cfg.intermediate_size,
+                                cfg.n_shared_experts, cfg.expert_kernel, cfg.router_z_loss_coef,
+                                cfg.router_seq_aux_loss_coef)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans,
                 cache: LayerCache | None = None) -> torch.Tensor:
         x = self.input_layernorm(h)
         # the cache only when there is one: tensor parallel's input plans count a module's arguments
         h = h + (self.self_attn(x, rope, spans) if cache is None else self.self_attn(x, rope, spans, cache))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        # an expert block is told the samples and which tokens its load statistics count (not padding or filler)
+        return h + (self.mlp(x, spans) if self.sparse else self.mlp(x))
 
 
 class DecoderLM(nn.Module):
@@ -93,7 +137,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
@@ -105,6 +149,9 @@ class DecoderLM(nn.Module):
                 nn.init.normal_(m.weight, std=self.cfg.init_std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+            elif isinstance(m, (Router, Experts)):  # the router's rows and the stacked experts: as a Linear's weight
+                for p in m.parameters(recurse=False):
+                    nn.init.normal_(p, std=self.cfg.init_std)
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

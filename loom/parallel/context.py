@@ -74,6 +74,13 @@ class ContextShard:
     q_spans: tuple[TokenSpans, TokenSpans]  # per-sample query lengths of each half
     k_spans: tuple[TokenSpans, TokenSpans]  # per-sample key prefix lengths of each half
 
+    @torch.compiler.disable
+    def sum_over_context(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (no gradient: counts) summed over the cp group, e.g. a sample's tokens per expert from its shards."""
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
     @torch.compiler.disable  # its K/V collectives stay eager: a compiled block splits around them
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: str) -> torch.Tensor:
         if not causal:
@@ -107,7 +114,9 @@ def shard_for_context(
         selectors[pid] = slot_index[keep][is_slot[keep]]
     local_lengths = [n // size for n in lengths]
     shard = _context(group, lengths, rank, size, device)
-    spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard)
+    counted = batch.spans.counted
+    spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard,
+                    counted=None if counted is None else counted.reshape(-1)[keep])
     fields = {name: values.reshape(-1)[keep] for name, values in batch.fields.items()}  # shaped like the labels
     local = Batch(ids[keep], labels[keep], positions[keep], spans, batch.modality_inputs, fields=fields)
     return local, selectors

@@ -8,8 +8,8 @@ the checkpointed body, and FSDP2's pre-backward hook re-gathers a block's weight
 The pipeline split comes before TP and FSDP2 because they wrap each stage this rank holds (one FSDP2 root per
 stage); TP comes before FSDP2, which shards the DTensors TP made (both meshes share the grid's root).
 
-Expert parallelism, when it comes, is a second view of the LLM's dp×cp ranks (ep × efsdp) on the LLM's Grid,
-read by this recipe only.
+Expert parallelism (ep > 1) comes after TP and before FSDP2: each MoE block's experts are split over ep and
+made an FSDP2 unit over efsdp (parallel/experts.py) before the block's unit, which then leaves them alone.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from loom.config import JobConfig
 from loom.parallel.blocks import transformer_blocks
 from loom.parallel.checkpointing import checkpoint_blocks
 from loom.parallel.compile import compile_blocks
+from loom.parallel.experts import apply_expert_parallel, expert_mesh
 from loom.parallel import fsdp
 from loom.parallel.fsdp import apply_fsdp, mixed_precision
 from loom.parallel.pipeline import ZERO_BUBBLE, split_language
@@ -53,6 +54,9 @@ def parallelize_language(name: str, llm: nn.Module, grid: Grid | None, cfg: JobC
         if lay.tp > 1:
             apply_llm_tp(part, grid.mesh("tp", device_type=device_type), lay.sequence_parallel,
                          seq_dim=0 if cfg.data.format == "thd" else 1)
+        # experts split over ep and sharded over efsdp before the blocks' FSDP2, which then skips their weights
+        if lay.ep > 1:
+            apply_expert_parallel(part, expert_mesh(grid, device_type), mixed_precision(train.dtype), reshard)
         # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
         apply_fsdp(part, transformer_blocks(name, part), fsdp.fsdp_mesh(grid, device_type),
                    mixed_precision(train.dtype), reshard, par.blocks_per_unit)

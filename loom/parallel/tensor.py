@@ -50,17 +50,25 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
             plan["norm"] = SequenceParallel(sequence_dim=seq_dim)
     tp, kv_heads = mesh.size(), llm.cfg.num_kv_heads
     kv = ColwiseParallel if kv_heads % tp == 0 else lambda: KVHeadOfRank(llm.cfg.dim_per_head, tp // kv_heads)
-    for name in llm.layers:
+    for name, layer in llm.layers.items():
         block = f"layers.{name}"
         plan.update({
             f"{block}.self_attn.q_proj": ColwiseParallel(),
             f"{block}.self_attn.k_proj": kv(),
             f"{block}.self_attn.v_proj": kv(),
             f"{block}.self_attn.o_proj": RowwiseParallel(output_layouts=act),
-            f"{block}.mlp.gate_proj": ColwiseParallel(),
-            f"{block}.mlp.up_proj": ColwiseParallel(),
-            f"{block}.mlp.down_proj": RowwiseParallel(output_layouts=act),
         })
+        if layer.sparse:
+            # experts stay whole on every tp rank (FSDP shards them): the block computes on every token there,
+            # under SP on the gathered tokens, and keeps this rank's token shard of its output
+            if sequence_parallel:
+                plan[f"{block}.mlp"] = _ReplicatedMoE(act)
+        else:
+            plan.update({
+                f"{block}.mlp.gate_proj": ColwiseParallel(),
+                f"{block}.mlp.up_proj": ColwiseParallel(),
+                f"{block}.mlp.down_proj": RowwiseParallel(output_layouts=act),
+            })
         if llm.cfg.qk_norm:
             # Qwen3's q/k norms weigh head_dim, shared by every head: on a rank's heads (sharded on the heads
             # dim, one after the token dim) the weight's gradient is a partial sum, reduced over tp by DTensor
@@ -74,8 +82,9 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
                 f"{block}.self_attn": PrepareModuleInput(
                     input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
-                f"{block}.mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
             })
+            if not layer.sparse:
+                plan[f"{block}.mlp"] = PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),))
     if sequence_parallel and first_stage:
         # the merged (text + modality) embeddings are replicated; the first block takes this rank's token shard
         # (a later pipeline stage receives the shard itself)
@@ -87,6 +96,22 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
     # distributing replaced both parameters; tie them again (same Shard(0) layout)
     if llm.cfg.tie_embeddings and first_stage and last_stage:
         llm.lm_head.weight = llm.embed_tokens.weight
+
+
+class _ReplicatedMoE(ParallelStyle):
+    """A mixture-of-experts block under sequence parallel: its input (tokens sharded over tp) gathered whole,
+    its output cut back to this rank's shard. Both ends are DTensor redistributions, so the backward gathers
+    the output's gradient and keeps the input gradient's shard (each rank computed the same whole gradient)."""
+
+    def __init__(self, act) -> None:
+        super().__init__()
+        self.act = act
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        gather = PrepareModuleInput(input_layouts=(self.act, None), desired_input_layouts=(Replicate(), None),
+                                    use_local_output=True)
+        cut = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=self.act, use_local_output=True)
+        return cut._apply(gather._apply(module, mesh), mesh)
 
 
 class KVHeadOfRank(ParallelStyle):

@@ -66,6 +66,7 @@ def _check_language(lay: Layout, cfg: JobConfig) -> None:
             f"{{{', '.join(map(str, fits))}}}")
     if lay.sequence_parallel and lay.tp == 1:
         raise ConfigError("language: sequence_parallel = true needs tp > 1 (it shards tokens over the tp group)")
+    _check_experts(lay, lm)
     _check_pipeline(lay, cfg)
     budget, multiple = cfg.data.tokens_per_microbatch, sample_multiple(lay, cfg)
     if budget and budget % multiple:
@@ -167,3 +168,20 @@ def _divides(lay: Layout, dim: str, sizes: dict[str, int], prefix: str) -> None:
                 f"{lay.module}: {dim} = {degree} does not divide {prefix}.{field} = {size}; "
                 f"use {dim} ∈ {{{', '.join(map(str, fits))}}}"
             )
+
+
+def _check_experts(lay: Layout, lm) -> None:
+    """layout.language.ep: a view of the dp×cp ranks, each holding num_experts / ep whole experts."""
+    if lay.ep == 1:
+        return
+    if not lm.num_experts:
+        raise ConfigError(f"layout.language.ep = {lay.ep} needs experts: set model.language.num_experts (valid ep "
+                          f"for a dense LLM: 1)")
+    ranks = lay.dp * lay.cp
+    fits = [d for d in range(1, ranks + 1) if ranks % d == 0 and lm.num_experts % d == 0]
+    if lm.num_experts % lay.ep:
+        raise ConfigError(f"layout.language.ep = {lay.ep} does not divide model.language.num_experts = "
+                          f"{lm.num_experts} (valid ep: {fits})")
+    if ranks % lay.ep:
+        raise ConfigError(f"layout.language.ep = {lay.ep} does not divide the LLM's dp·cp = {lay.dp}·{lay.cp} = "
+                          f"{ranks} ranks it is a view of (valid ep: {fits})")

@@ -25,6 +25,12 @@ class Layout:
     pp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel: not a grid dim but a view of the dp×cp ranks, ep × efsdp (parallel/experts.py)
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks of dp×cp that hold the same experts, over which FSDP2 shards them."""
+        return self.dp * self.cp // self.ep
 
     @property
     def size(self) -> int:
@@ -38,7 +44,8 @@ class Layout:
         return getattr(self, dim)
 
     def describe(self) -> str:
-        return f"tp{self.tp}·cp{self.cp}·pp{self.pp}·dp{self.dp} on ranks {self.start}-{self.ranks[-1]}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}·cp{self.cp}·pp{self.pp}·dp{self.dp}{ep} on ranks {self.start}-{self.ranks[-1]}"
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,12 @@ def _resolve_one(name: str, mc: ModuleLayoutConfig, ranks: range) -> Layout:
                 f"({ranks.start}-{ranks[-1]}); set dp = {n // inner if n % inner == 0 else 'a value that fits'} "
                 f"or omit dp to derive it"
             )
-    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp, mc.sequence_parallel)
+    if mc.ep < 1:
+        raise ConfigError(f"layout.{name}.ep = {mc.ep} must be ≥ 1")
+    if mc.ep > 1 and name != "language":
+        raise ConfigError(f"layout.{name}.ep = {mc.ep}: expert parallelism is for the LLM's experts; an encoder "
+                          f"has none (valid: 1)")
+    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp, mc.sequence_parallel, mc.ep)
 
 
 def _check_placement(layouts: dict[str, Layout], world_size: int) -> None:

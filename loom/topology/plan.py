@@ -24,7 +24,10 @@ def rank_map_table(topo: Topology) -> Table:
                 continue
             c = grid.coord(rank)
             stage = f" stage {c['pp']}/{grid.layout.pp}" if grid.layout.pp > 1 else ""
-            cells.append(f"dp{c['dp']} tp{c['tp']} cp{c['cp']}{stage}")
+            # expert parallel: ep consecutive ranks of dp×cp hold one copy of all experts (parallel/experts.py)
+            lay = grid.layout
+            ep = f" ep{(c['dp'] * lay.cp + c['cp']) % lay.ep}" if lay.ep > 1 else ""
+            cells.append(f"dp{c['dp']} tp{c['tp']} cp{c['cp']}{ep}{stage}")
         table.add_row(str(rank), *cells)
     return table
 

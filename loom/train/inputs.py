@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -100,8 +100,9 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: in
         # fixed shapes, so a compiled block never recompiles: cu_seqlens of a fixed length (at most one segment
         # per sample of the global batch, plus the filler; each holds ≥ `multiple` tokens) and max_seqlen = T
         segments = min(cfg.train.global_batch_size + 1, length // multiple)
-        batch.spans = TokenSpans.from_lengths(batch.spans.cu_seqlens.diff().tolist(), backend=backend,
-                                                segments=segments, max_seqlen=length)
+        batch.spans = replace(TokenSpans.from_lengths(batch.spans.cu_seqlens.diff().tolist(), backend=backend,
+                                                        segments=segments, max_seqlen=length),
+                              counted=batch.spans.counted)
     return batch
 
 

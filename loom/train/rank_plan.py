@@ -13,15 +13,18 @@ from loom.bridge.colocated import ColocatedBridge
 from loom.bridge.first_stage import FirstStageBridge
 from loom.bridge.p2p import P2PBridge
 from loom.config import JobConfig
+from loom.models.llm import LLMConfig
 from loom.models.multimodal import MultimodalModel
 from loom.parallel import parallelize
 from loom.parallel.compile import compile_backend, compile_blocks
+from loom.parallel.experts import add_expert_groups
 from loom.parallel.materialize import WeightSource, materialize
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
 from loom.topology import Placement, Topology
 from loom.topology.checks import sample_multiple
 from loom.train.encoder_ranks import EncoderRanks, stage0_order
+from loom.train.expert_load import expert_load
 from loom.train.inputs import StepInputs
 from loom.train.job_model import initial_weights
 from loom.train.objective import Objective, make_objective
@@ -70,12 +73,15 @@ class RankPlan:
                           inspect_grads)
 
 
-def one_process_plan(modules: list[str], multiple: int, dtype: str, device: torch.device) -> RankPlan:
+def one_process_plan(modules: list[str], multiple: int, dtype: str, device: torch.device,
+                     lm: LLMConfig | None = None) -> RankPlan:
     """The plan of a run on one process (the reference of `loom verify` too): every module here, no bridge, the
-    microbatch loop, bf16 by autocast when asked (under a layout FSDP's policy casts instead)."""
+    microbatch loop, bf16 by autocast when asked (under a layout FSDP's policy casts instead); `lm`: the LLM's
+    config, whose experts (if any) get their per-step load work."""
     autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if dtype == "bf16"
                 else RunContext().autocast)
-    return RankPlan(None, StepComms(), {m: (0, 1) for m in modules}, multiple, LocalRows(), MicrobatchLoop(),
+    comms = StepComms(expert_load=None if lm is None else expert_load(lm))
+    return RankPlan(None, comms, {m: (0, 1) for m in modules}, multiple, LocalRows(), MicrobatchLoop(),
                     RunContext(autocast=autocast), hosted=tuple(modules))
 
 
@@ -90,7 +96,7 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
         plan = _rank_plan(model, cfg, device, modules, placement)
     else:
         parallelize(model, None, cfg, device.type, compile_blocks)  # no layout: compile and checkpoint only
-        plan = one_process_plan(modules, cfg.data.pad_to_multiple, cfg.train.dtype, device)
+        plan = one_process_plan(modules, cfg.data.pad_to_multiple, cfg.train.dtype, device, cfg.model.language)
     own = weights is None
     weights = initial_weights(model, cfg) if own else weights
     try:
@@ -106,6 +112,7 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
     """The layouts applied to this rank's part of `model` (still on `meta`), and the step's seams chosen once."""
     topo = Topology.build(cfg, placement)
     tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
+    add_expert_groups(topo)  # likewise (layout.language.ep > 1)
     me = topo.role()
     for name in modules:  # non-colocated: a rank keeps only the modules it hosts
         if not me.hosts(name):
@@ -122,7 +129,10 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
         pipeline = Pipeline(model.language, cfg.parallel.pp_schedule, cfg.train.microbatches, lang.group("pp"),
                             device, hidden_dtype, lay.tp if lay.sequence_parallel else 1, cfg.parallel.pp_grad_reduce,
                             tied)
-    comms = StepComms(norm_share(topo, modules), adds_loss=hosts_llm and lang.coord(me.rank)["tp"] == 0)
+    # expert counts sum over the LLM's dp×cp ranks (tp ranks count the same tokens; each stage its own layers)
+    comms = StepComms(norm_share(topo, modules), adds_loss=hosts_llm and lang.coord(me.rank)["tp"] == 0,
+                      expert_load=expert_load(cfg.model.language, lang.group("dp", "cp") if hosts_llm else None,
+                                              world=True))
     run_context = RunContext(lang.group("cp") if hosts_llm and lay.cp > 1 else None, vocab_sharded=lay.tp > 1)
     bridges = _bridges(topo, model, cfg)
     rows, encoder_ranks = None, None

@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from loom.config import TrainConfig
+from loom.models.moe import aux_loss_scale
 from loom.models.multimodal import MultimodalModel
+from loom.train.expert_load import ExpertLoad
 from loom.train.inputs import StepInputs
 from loom.train.objective import Objective, metric_means
 from loom.train.optim import (
@@ -52,6 +54,7 @@ class StepComms:
 
     norm_share: GradNormShare | None = None  # this rank's part of the world's one grad-norm sum
     adds_loss: bool = False  # this rank adds its loss to the world's sum (LLM ranks at tp 0; zero off the last stage)
+    expert_load: ExpertLoad | None = None  # a mixture-of-experts LLM: the bias update and load metrics per step
 
 
 @dataclass
@@ -61,6 +64,7 @@ class StepResult:
     lr: float
     skipped: bool
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's, over the global batch (GRPO's)
+    expert_load: dict[str, float] = field(default_factory=dict)  # `expert_load/<layer>`: max / mean tokens per expert
 
 
 def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: TrainConfig, step: int,
@@ -98,7 +102,11 @@ def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs,
     # graph outputs, all read by now (a counter: nothing else happens without graphs)
     torch.compiler.cudagraph_mark_step_begin()
     plan.rows.begin(model, inputs.microbatches, train)  # three-phase: the encoders on the whole step
-    loss = plan.runner.run(model, inputs.microbatches, plan.rows, objective, normaliser, plan.run_context, train)
+    # the experts' auxiliary losses scale their gradients by the global batch's counts: a token's z-loss as the
+    # token loss, a sample's balance term by the global sample count
+    scales = (1.0 / normaliser, 1.0 / max(1, inputs.sequences))
+    with aux_loss_scale(*scales) if train else contextlib.nullcontext():
+        loss = plan.runner.run(model, inputs.microbatches, plan.rows, objective, normaliser, plan.run_context, train)
     plan.rows.finish()  # three-phase: the rows' gradients back into the encoders; sends completed
     return loss
 
@@ -117,8 +125,10 @@ def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: 
         if finite:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    # once per optimizer step, from the whole step's counts: the routers' bias update and the experts' load
+    load = comms.expert_load.finish(model, bool(finite)) if comms.expert_load is not None else {}
     loss = world_sum([float(loss)], comms)[0]  # under a layout: every rank reports the step's loss
-    return StepResult(loss, float(norm), lr, not bool(finite))
+    return StepResult(loss, float(norm), lr, not bool(finite), expert_load=load)
 
 
 def world_sum(values: list[float], comms: StepComms) -> list[float]:

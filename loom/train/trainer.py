@@ -93,7 +93,8 @@ class Trainer:
                 use = gpu.since_start(flops, elapsed)
                 log.log(self.step, {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": float(r.skipped),
                                     "bad_samples": float(len(self.data.bad)), **self.last_stats, **use,
-                                    **{f"{cfg.train.objective}/{k}": v for k, v in r.metrics.items()}})
+                                    **{f"{cfg.train.objective}/{k}": v for k, v in r.metrics.items()},
+                                    **r.expert_load})
                 status = f"loss {r.loss:.3f}  tok/s {tokens / elapsed:,.0f}  lr {r.lr:.1e}" + gpu.status(use)
                 if r.skipped:
                     log.print(f"step {self.step}: non-finite grad norm, optimizer step skipped on every rank")

@@ -83,7 +83,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     optimizer, ref_optimizer = job.optimizer, ModuleOptimizers(reference, modules, cfg.train)
     # the reference: eager fp32 on one process, the whole global batch at once, the same objective
     eager_fp32 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False, dtype="fp32"))
-    ref_plan = one_process_plan(modules, plan.sample_multiple, "fp32", job.device)
+    ref_plan = one_process_plan(modules, plan.sample_multiple, "fp32", job.device, cfg.model.language)
     ref_plan.reference = reference_policy(reference, cfg)  # train.reference: the same frozen weights, whole
     make = objective or functools.partial(make_objective, cfg.train)  # both sides: the one the config names
     out = console or Console(width=170)
@@ -109,6 +109,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
                             objective=make(compile_backend(cfg.train), plan.run_context))
         updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
                                   tied_copy_names(model))
+        notes += compare_router_biases(model, reference)
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
                                 {m: ModuleCheck(grads.get(m), updates[m]) for m in updates}, tolerances, notes))
     if plan.is_logger:
@@ -116,6 +117,15 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         for failure in (f for c in checks for f in c.failures):
             out.print(f"[red]FAIL[/red] {failure}")
     return checks
+
+
+def compare_router_biases(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+    """The routers' choice biases after the step's update (buffers, moved by counts, not gradients): the
+    counts are whole numbers summed over the layout's ranks, so the biases must equal the reference's."""
+    ref = dict(reference.named_buffers())
+    return [f"{name}: router bias after the step differs from the reference's by {(b - ref[name]).abs().max():.3g}"
+            for name, b in model.named_buffers()
+            if name.endswith("e_score_correction_bias") and not torch.allclose(b, ref[name], rtol=0, atol=1e-7)]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@
     llm = build_pretrained("path/to/Llama-3.2-1B")          # DecoderLM, built on meta, filled per tensor
     export_module(llm, "out/language")                       # LlamaForCausalLM folder
 
-Supported: Llama 3.x / Qwen2 / Qwen2.5 / Qwen3 causal LMs, SigLIP vision towers, Whisper encoders
+Supported: Llama 3.x / Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE causal LMs, SigLIP vision towers, Whisper encoders
 (see mapping.py for what is rejected and why). A job loads a module from a folder with
 `model.<module>.hf = "path"`; `loom export CHECKPOINT --hf OUT_DIR` writes a loom checkpoint back.
 

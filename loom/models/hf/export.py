@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from loom.models.hf.load import MODULES, expected_tensors, module_kind
 from loom.models.hf.mapping import EXPORT_PREFIXES, HFError, config_to_hf, hf_name
+from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.multimodal import ModelConfig
 from loom.typed_config import ConfigError, from_dict
 
@@ -35,6 +36,8 @@ def export_module(module: nn.Module, out_dir: str | Path) -> Path:
 def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir: str | Path) -> Path:
     """`tensors` are the module's own (module-relative loom names, tied ones once); they must be exactly the
     tensors a module built from `cfg` has, with its shapes."""
+    dtype = next(iter(tensors.values())).dtype
+    hf = config_to_hf(kind, cfg, dtype)  # first: a config without an HF counterpart is the error to report
     with torch.device("meta"):
         expected = expected_tensors(MODULES[kind](cfg))
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -43,13 +46,17 @@ def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir
     if missing or unexpected or bad:
         raise HFError(f"{kind}: tensors do not match the config: missing {missing}; unexpected {unexpected}; "
                       f"shape mismatch {bad}")
-    dtype = next(iter(tensors.values())).dtype
-    hf = config_to_hf(kind, cfg, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prefix = EXPORT_PREFIXES[kind]
-    save_file({hf_name(kind, n, prefix): t.detach().contiguous().cpu() for n, t in tensors.items()},
-              out / "model.safetensors", metadata={"format": "pt"})
+    on_disk = {}
+    for n, t in tensors.items():
+        if is_stacked(n):  # stacked experts are written one tensor per expert, as Hugging Face stores them
+            on_disk.update({hf_name(kind, e, prefix): t[i] for i, e in enumerate(expert_names(n, t.shape[0]))})
+        else:
+            on_disk[hf_name(kind, n, prefix)] = t
+    save_file({h: t.detach().contiguous().cpu() for h, t in on_disk.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
 

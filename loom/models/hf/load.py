@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from loom.models.audio import AudioEncoder
 from loom.models.hf.mapping import HFError, config_from_hf, detect_prefix, hf_name, kind_of, skip_reason
+from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM
 from loom.models.multimodal import ModelConfig
@@ -135,25 +136,40 @@ class HFWeights:
         expected = expected_tensors(module)
         prefix = detect_prefix(kind, index, where)
         self.names = names = {n: hf_name(kind, n, prefix) for n in expected}
+        # stacked experts: one loom tensor [E, …] from E per-expert tensors (models/hf/stacked.py)
+        self.stacked = {n: [hf_name(kind, e, prefix) for e in expert_names(n, expected[n][0])]
+                        for n in expected if is_stacked(n)}
+        on_disk = {h for n, h in names.items() if n not in self.stacked}
+        on_disk |= {h for parts in self.stacked.values() for h in parts}
         self.report = LoadReport(loaded=names)
         for name in index:
             reason = skip_reason(kind, name, prefix, hf)
-            if reason and name not in names.values():
+            if reason and name not in on_disk:
                 self.report.skipped[name] = reason
-        missing = [f"{h} (for {n})" for n, h in names.items() if h not in index]
-        unexpected = sorted(set(index) - set(names.values()) - set(self.report.skipped))
+        missing = [f"{h} (for {n})" for n in names for h in self.stacked.get(n, [names[n]]) if h not in index]
+        unexpected = sorted(set(index) - on_disk - set(self.report.skipped))
         if missing or unexpected:
             raise HFError(f"{where} does not match loom's {kind} module: missing tensors {missing}; "
                           f"unexpected tensors {unexpected}")
         self._stack = contextlib.ExitStack()
         self._handles: dict[Path, object] = {}
-        shapes = {n: tuple(self._open(index[h]).get_slice(h).get_shape()) for n, h in names.items()}
+        shapes = {n: self._shape(n) for n in names}
         self.shapes = shapes
         bad = [f"{names[n]}: checkpoint {list(shapes[n])} vs loom {n} {list(expected[n])}"
                for n in names if shapes[n] != expected[n] and not _grows(n in grown, shapes[n], expected[n])]
         if bad:
             self.close()
             raise HFError(f"{where}: shape mismatch for {bad}")
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in the folder; a stacked one's is (experts, *each expert's), all experts alike."""
+        if name not in self.stacked:
+            h = self.names[name]
+            return tuple(self._open(self.index[h]).get_slice(h).get_shape())
+        each = {tuple(self._open(self.index[h]).get_slice(h).get_shape()) for h in self.stacked[name]}
+        if len(each) > 1:
+            raise HFError(f"{self.where}: the experts of {name} differ in shape: {sorted(each)}")
+        return (len(self.stacked[name]), *each.pop())
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
@@ -163,6 +179,10 @@ class HFWeights:
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor `name` (the module's own name), or only its part `box` (one slice per dim)."""
+        if name in self.stacked:  # the experts box[0] selects, each read only in its box
+            parts = self.stacked[name]
+            box = box or tuple(slice(0, n) for n in self.shapes[name])
+            return torch.stack([self._open(self.index[h]).get_slice(h)[box[1:]] for h in parts[box[0]]])
         h = self.names[name]
         part = self._open(self.index[h]).get_slice(h)
         return part[:] if box is None or not box else part[box]

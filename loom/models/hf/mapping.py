@@ -1,7 +1,8 @@
 """What a Hugging Face checkpoint means to loom: config.json ↔ loom config, tensor names ↔ loom names.
 
 Three kinds of module, named as loom's modules are:
-- ``language``: Llama 3.x (``llama``), Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``) causal LMs → DecoderLM;
+- ``language``: Llama 3.x (``llama``), Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``)
+  causal LMs → DecoderLM;
 - ``vision``: a SigLIP vision tower (``siglip_vision_model``, or the vision half of ``siglip``) → VisionEncoder;
 - ``audio``: a Whisper encoder (``whisper``: WhisperForConditionalGeneration, WhisperModel or WhisperEncoder)
   → AudioEncoder.
@@ -16,6 +17,8 @@ import math
 import re
 
 from loom.models.audio import AudioConfig
+from loom.models.hf.errors import HFError
+from loom.models.hf.qwen3_moe import check_qwen3_moe, qwen3_moe_keys, qwen3_moe_to_hf
 from loom.models.llm import LLMConfig
 from loom.models.vision import VisionConfig
 
@@ -23,6 +26,7 @@ MODEL_TYPES = {
     "llama": "language",
     "qwen2": "language",
     "qwen3": "language",
+    "qwen3_moe": "language",
     "siglip_vision_model": "vision",
     "siglip": "vision",
     "whisper": "audio",
@@ -31,16 +35,13 @@ ARCHITECTURES = {
     "llama": {"LlamaForCausalLM", "LlamaModel"},
     "qwen2": {"Qwen2ForCausalLM", "Qwen2Model"},
     "qwen3": {"Qwen3ForCausalLM", "Qwen3Model"},
+    "qwen3_moe": {"Qwen3MoeForCausalLM", "Qwen3MoeModel"},
     "siglip_vision_model": {"SiglipVisionModel"},
     "siglip": {"SiglipModel", "SiglipVisionModel"},
     "whisper": {"WhisperForConditionalGeneration", "WhisperModel", "WhisperEncoder"},
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 WHISPER_LAYER_NORM_EPS = 1e-5  # fixed in Whisper (nn.LayerNorm default), not in its config
-
-
-class HFError(ValueError):
-    """A Hugging Face checkpoint that loom cannot load (or a loom module it cannot export) exactly."""
 
 
 # ---------------------------------------------------------------- config.json → loom config
@@ -91,7 +92,7 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
               where)
     if hf.get("hidden_act", "silu") != "silu":
         _reject(where, f"hidden_act = {hf['hidden_act']!r}", "loom's MLP is SwiGLU (silu)")
-    if mt in ("llama", "qwen3") and hf.get("attention_bias"):
+    if mt in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
         _reject(where, "attention_bias = true", f"{mt} then adds a bias to o_proj too, and loom's o_proj has none")
     if hf.get("mlp_bias"):
         _reject(where, "mlp_bias = true", "loom's MLP projections have no bias")
@@ -100,7 +101,8 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
         _reject(where, f"sliding-window attention (layers {sliding})", "loom attends over the whole sample")
     theta, scaling = _rope(hf, where)
     heads = hf["num_attention_heads"]
-    default_head_dim = 128 if mt == "qwen3" else hf["hidden_size"] // heads  # Qwen3Config's default is 128
+    qwen3 = mt in ("qwen3", "qwen3_moe")
+    default_head_dim = 128 if qwen3 else hf["hidden_size"] // heads  # Qwen3Config's default is 128
     return LLMConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -114,8 +116,9 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
         rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=mt == "qwen2",  # Qwen2 always has q/k/v bias (and never o_proj bias)
-        qk_norm=mt == "qwen3",
+        qk_norm=qwen3,
         hf=folder,
+        **(qwen3_moe_keys(hf) if mt == "qwen3_moe" else {}),
     )
 
 
@@ -234,6 +237,9 @@ def llm_family(cfg: LLMConfig) -> str:
             "language: attention_bias and qk_norm together have no Hugging Face counterpart "
             "(Qwen3's attention_bias also adds an o_proj bias)"
         )
+    if cfg.num_experts:
+        check_qwen3_moe(cfg)
+        return "qwen3_moe"
     return "qwen2" if cfg.attention_bias else "qwen3" if cfg.qk_norm else "llama"
 
 
@@ -248,7 +254,8 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
     if scaling and "original_max_position_embeddings" in scaling:
         max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"])
     out = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[mt]],
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM"}[mt]],
         "model_type": mt,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -268,8 +275,10 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         "dtype": _dtype_name(dtype),
         "torch_dtype": _dtype_name(dtype),
     }
-    if mt in ("llama", "qwen3"):
+    if mt in ("llama", "qwen3", "qwen3_moe"):
         out["attention_bias"] = False
+    if mt == "qwen3_moe":
+        out.update(qwen3_moe_to_hf(cfg))
     if mt == "llama":
         out["mlp_bias"] = False
     else:

@@ -1,0 +1,89 @@
+"""The routed experts of a mixture-of-experts block: E SwiGLU MLPs stacked into [E, …] tensors.
+
+`gate_proj` and `up_proj` are [E, intermediate, hidden] and `down_proj` [E, hidden, intermediate]: expert e's
+slice is the weight of an nn.Linear, as Hugging Face stores each expert (`experts.e.gate_proj.weight`), so
+loading and export stack or split along dim 0 and nothing is transposed.
+
+Two ways to compute the same thing on tokens sorted by expert:
+- ``loop``: one matmul per expert, over its run of tokens (an expert with no token is skipped) — the CPU
+  path and the oracle;
+- ``grouped``: one grouped GEMM per projection (`grouped_mm` with the runs' end offsets), no host sync. On
+  CPU it runs in fp32 when each row is a multiple of 16 bytes; on CUDA it needs bf16 and SM ≥ 80.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "grouped_mm", None)
+KERNELS = ("auto", "loop", "grouped")
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, kernel: str = "auto") -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.kernel = kernel
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x` [n, hidden]: tokens sorted by expert, `counts` [E] (int) tokens of each expert, in order."""
+        return self.compute(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+        """The experts whose weights are given (all, or expert parallelism's local ones) on their sorted tokens."""
+        w = (gate, up, down)
+        if not self.use_grouped(x):
+            return self._loop(x, counts, w)
+        return self._grouped(x.to(_compute_dtype(x)), counts, w)
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        if self.kernel == "loop" or grouped_mm is None:
+            return False
+        if self.kernel == "grouped":
+            return True
+        # auto: the GPU's kernel where its layout rules hold (bf16, 16-byte rows); the loop elsewhere
+        dtype = _compute_dtype(x)
+        aligned = all(n * dtype.itemsize % 16 == 0 for n in self.gate_proj.shape[1:])
+        return x.is_cuda and dtype == torch.bfloat16 and aligned
+
+    @staticmethod
+    def _loop(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        gate, up, down = (p.to(x.dtype) for p in w)
+        out = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one host read of the counts: this path is the CPU's
+            if n == 0:
+                continue
+            xe = x[start : start + n]
+            out.append((F.silu(xe @ gate[e].t()) * (xe @ up[e].t())) @ down[e].t())
+            start += n
+        if not out:
+            # no token here at all (expert parallelism: none routed to this rank): the first expert on the empty
+            # run keeps the output tied to the weights and to `x`, so the backward still reaches the all-to-all
+            # that brought `x` — every rank must take part in it
+            return (F.silu(x @ gate[0].t()) * (x @ up[0].t())) @ down[0].t()
+        return torch.cat(out)
+
+    @staticmethod
+    def _grouped(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)
+        h = F.silu(grouped_mm(x, gate, offs=offsets)) * grouped_mm(x, up, offs=offsets)
+        return grouped_mm(h, down, offs=offsets)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the matmuls run in: autocast's dtype when it is on (one process in bf16: the stream stays fp32),
+    else x's (FSDP's mixed precision hands bf16 tokens)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype

@@ -1,0 +1,108 @@
+"""Expert parallelism (`[layout.language] ep = N`): each sparse layer's experts split over N ranks, applied
+from outside to the MoE blocks' `experts` seam.
+
+Which ranks. EP is a second view of the LLM's dp×cp ranks (per pp stage and tp coordinate): in dp×cp order,
+each run of `ep` consecutive ranks is one EP group and holds one copy of all experts, rank j of it experts
+j·E/ep … (j+1)·E/ep − 1; the dp×cp/ep ranks at the same place of each run ("efsdp") hold the same experts and
+FSDP2 shards them over those. tp ranks stay out of it: they hold the same tokens (gathered under SP), so each
+tp coordinate runs its own EP groups and its experts are replicated over tp like the router and the norms.
+
+How tokens travel. The MoE block has sorted its tokens by (global) expert; here the per-expert counts go to
+every rank of the EP group (an even all-to-all), then the tokens by an uneven all-to-all (autograd: its
+backward is the reverse all-to-all), are regrouped by local expert (a stable sort of (local expert, source)
+keys), computed, put back in arrival order and sent home. Nothing depends on arrival timing: deterministic.
+
+Gradient scale. An expert's gradient gathers every dp×cp rank's tokens: those of its EP group through the
+all-to-all's backward, those of the other groups by FSDP2's reduction over efsdp — summed, as every other
+gradient is (divide factor 1, parallel/fsdp.py). A mean over efsdp would leave expert gradients ep× off the
+dense ones (pytorch #160285 had them 2× off); loom verify compares every expert's gradient with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from loom.models.experts import Experts
+from loom.models.moe import MoEBlock
+from loom.topology import Grid, Topology
+
+EP_GROUPS = "experts: one copy of all experts (ep)"
+EFSDP_GROUPS = "experts: the ranks holding the same experts (efsdp)"
+MESH_DIMS = ("pp", "efsdp", "ep", "tp")
+
+
+def _arranged(grid: Grid) -> torch.Tensor:
+    """The LLM grid's ranks as [pp, efsdp, ep, tp]: dp×cp in grid order (cp fastest), cut into runs of ep."""
+    lay = grid.layout
+    return grid.ranks.permute(0, 3, 1, 2).reshape(lay.pp, lay.tp, lay.efsdp, lay.ep).permute(0, 2, 3, 1)
+
+
+def add_expert_groups(topo: Topology) -> None:
+    """The ep and efsdp groups of the LLM, when ep > 1; every rank calls it, in one order (new_group is a
+    world collective)."""
+    grid = topo.grids["language"]
+    if grid.layout.ep == 1:
+        return
+    ranks = _arranged(grid)
+    topo.registry.add(EP_GROUPS, [tuple(r.tolist()) for r in ranks.permute(0, 1, 3, 2).reshape(-1, grid.layout.ep)])
+    topo.registry.add(EFSDP_GROUPS, [tuple(r.tolist()) for r in ranks.permute(0, 2, 3, 1).reshape(-1,
+                                                                                                 grid.layout.efsdp)])
+
+
+def expert_mesh(grid: Grid, device_type: str) -> DeviceMesh:
+    """This rank's [pp, efsdp, ep, tp] mesh over the registry's groups: its "ep" and "efsdp" sub-meshes share
+    one root, which FSDP2 needs to shard an expert DTensor again."""
+    groups = [grid.group("pp"), grid.registry.named(EFSDP_GROUPS), grid.registry.named(EP_GROUPS), grid.group("tp")]
+    return DeviceMesh.from_group(groups, device_type, mesh=_arranged(grid), mesh_dim_names=MESH_DIMS)
+
+
+def apply_expert_parallel(llm: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """Every MoE block's experts of `llm` (a DecoderLM or a pipeline stage): split over ep, then FSDP2 over
+    efsdp as a unit of its own — before the blocks' FSDP2, which then leaves these weights to it."""
+    for block in (m for m in llm.modules() if isinstance(m, MoEBlock)):
+        parallelize_module(block.experts, mesh["ep"], ExpertParallel())
+        fully_shard(block.experts, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard)
+
+
+class ExpertParallel(ParallelStyle):
+    """The stacked weights as DTensors sharded on dim 0 (whole experts) over the ep mesh, and the experts'
+    forward replaced by dispatch → local experts → combine."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, Experts):
+            raise TypeError(f"ExpertParallel applies to Experts, not {type(module).__name__}")
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+        group, size = mesh.get_group(), mesh.size()
+        module.forward = lambda x, counts: _dispatch_compute_combine(module, group, size, x, counts)
+        return module
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _dispatch_compute_combine(experts: Experts, group: dist.ProcessGroup, ep: int, x: torch.Tensor,
+                              counts: torch.Tensor) -> torch.Tensor:
+    """`x` [n, hidden] sorted by global expert, `counts` [E]: the experts' outputs in `x`'s order."""
+    local = counts.numel() // ep
+    received = torch.empty_like(counts)  # [source rank, local expert]: what each EP rank sends to mine
+    dist.all_to_all_single(received, counts, group=group)
+    send = counts.view(ep, local).sum(1).tolist()  # the host needs the split sizes: one sync per layer
+    recv = received.view(ep, local).sum(1).tolist()
+    arrived = funcol.all_to_all_single_autograd(x, recv, send, group)
+    # arrival order is (source, local expert); the experts want (local expert, source): a stable sort by that key
+    key = torch.arange(local, device=counts.device) * ep + torch.arange(ep, device=counts.device)[:, None]
+    order = torch.repeat_interleave(key.flatten(), received.flatten()).argsort(stable=True)
+    y = experts.compute(arrived[order], received.view(ep, local).sum(0),
+                        *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)))
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return funcol.all_to_all_single_autograd(y[back], send, recv, group)
