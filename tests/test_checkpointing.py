@@ -129,10 +129,10 @@ def test_full_runs_each_block_forward_again_in_backward(steps):
     calls, fwd, bwd, _ = steps["full"]
     none_calls, none_fwd, none_bwd, _ = steps["none"]
     assert calls.keys() == none_calls.keys() and set(calls.values()) == {2}, calls
-    # the blocks run again: their matmuls (one per linear on the packed [tokens, dim] streams: 7 per LLM
-    # block, 6 per encoder block) but the last, whose output backward does not need (the recomputation
-    # stops early), attention, activations
-    recomputed = LLM_BLOCKS * (7 - 1) + ENCODER_BLOCKS * (6 - 1)
+    # the blocks run again: their matmuls (one per projection on the packed [tokens, dim] streams, q/k/v as
+    # one (layers.project): 5 per LLM block, 4 per encoder block) but the last, whose output backward does not
+    # need (the recomputation stops early), attention, activations
+    recomputed = LLM_BLOCKS * (5 - 1) + ENCODER_BLOCKS * (4 - 1)
     assert sum(bwd[m] for m in MATMULS) == sum(none_bwd[m] for m in MATMULS) + recomputed
     assert bwd[SDPA] == none_fwd[SDPA] > 0
     assert bwd["silu"] == LLM_BLOCKS  # SwiGLU's activation
