@@ -130,7 +130,7 @@ def test_row_budgets_by_hand():
 
 def test_cuda_graphs_for_every_block_with_coarse_encoder_rows(monkeypatch):
     """train.compile_mode = 'reduce-overhead' reaches every block: the LLM's with fixed shapes, the encoders' with
-    symbolic rows rounded up to a quarter of their budget (a graph per row count met: at most 4); it needs inductor
+    static rows rounded up to a quarter of their budget (a graph per row count met: at most 4); it needs inductor
     and a token budget, else a config error names what is missing."""
     import pytest
 
@@ -149,7 +149,8 @@ def test_cuda_graphs_for_every_block_with_coarse_encoder_rows(monkeypatch):
         if name in ("language", *cfg.model.encoders):
             compile_blocks(name, module, cfg)
     assert seen.pop("DecoderLayer") == {"backend": "inductor", "dynamic": None, "mode": "reduce-overhead"}
-    assert seen and all(kw["mode"] == "reduce-overhead" and kw["dynamic"] for kw in seen.values())
+    # encoders: static rows, one compile per bucket met (test_graph_buckets_compile_static_rows_once_each)
+    assert seen and all(kw["mode"] == "reduce-overhead" and kw["dynamic"] is False for kw in seen.values())
     budget = model.vision.encoder.row_budget
     assert (budget.rows, budget.multiple) == (2048, 512) and ROW_MULTIPLE == 64  # T = 2048: quarters of 512
     assert graph_multiple(8192) == 2048 and graph_multiple(100) == 64 and graph_multiple(1000) == 256
@@ -163,3 +164,43 @@ def test_cuda_graphs_for_every_block_with_coarse_encoder_rows(monkeypatch):
     for missing in (["--data.tokens_per_microbatch=0"], ["--train.compile_backend=aot_eager"]):
         with pytest.raises(ConfigError, match="compile_mode"):
             load_config(None, graphs + missing)
+
+
+def test_graph_buckets_compile_static_rows_once_each():
+    """Encoder rows under CUDA graphs (`encoder_dynamic(True, "reduce-overhead")`): each row bucket met compiles
+    once with every size a constant (inductor's reductions over rows then have fixed sizes), a bucket met again
+    compiles nothing; without graphs the rows stay symbolic, one graph for every count."""
+    import torch.nn as nn
+
+    from loom.models.encoder_layer import RowBudget, run_packed
+    from loom.parallel.compile import compiled_frames, encoder_dynamic
+
+    class Block(nn.Module):  # a LayerNorm and a biased linear: the reductions over rows the ViT's backward does
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, h, spans):
+            return h + self.proj(self.norm(h))
+
+    for mode, graphs in (("reduce-overhead", 2), (None, 1)):
+        torch._dynamo.reset()
+        symbolic = []
+
+        def backend(gm, example_inputs, symbolic=symbolic):
+            symbolic.append(any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and not all(
+                isinstance(d, int) for d in x.shape)) for x in example_inputs))
+            return gm.forward
+
+        blocks = [Block(), Block()]
+        for block in blocks:
+            block.forward = torch.compile(block.forward, backend=backend, dynamic=encoder_dynamic(True, mode))
+        budget = RowBudget(rows=2048, items=4, multiple=512)
+        frames = [compiled_frames()]
+        for lengths in ([300, 500], [200], [100, 700, 100]):  # buckets 1,024, then 512, then 1,024 again
+            h = torch.randn(sum(lengths), 8, requires_grad=True)
+            run_packed(h, lengths, blocks, budget).sum().backward()
+            frames.append(compiled_frames())
+        # one compile for both blocks (shared code) per bucket under graphs, one in all without; none on the third
+        assert [b - a for a, b in zip(frames, frames[1:])] == ([1, 1, 0] if mode else [1, 0, 0])
+        assert symbolic == ([False] * graphs if mode else [True])

@@ -56,8 +56,9 @@ _warned: set[RowBudget] = set()
 class RowBudget:
     """Fixed shapes for compiled encoder layers (train.compile with a token budget): every call's items are
     padded to `items` segments and attention's longest item bounded by `rows`, while the rows themselves are
-    only rounded up to ROW_MULTIPLE and compiled dynamic (parallel/compile.py) — one graph for any row count: the layers
-    compute the rows the data has, not the budget (a ViT fed 3.5K patches under an 8K budget did 2.4×)."""
+    only rounded up to ROW_MULTIPLE and compiled dynamic (parallel/compile.py) — one graph for any row count: the
+    layers compute the rows the data has, not the budget (a ViT fed 3.5K patches under an 8K budget did 2.4×).
+    Under CUDA graphs `multiple` is a quarter of the budget and each of those few counts compiles static."""
 
     rows: int
     items: int

@@ -43,11 +43,9 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
     budgets = row_budgets(cfg, dist.get_world_size() if dist.is_initialized() else 1) if cfg else {}
     if name in budgets:
         module.encoder.row_budget = budgets[name]
-    # an encoder's rows follow the data (rounded to ROW_MULTIPLE, not padded to the budget): traced
-    # symbolically from the first call, resumed frames after a graph break too, so no row count recompiles
-    dynamic = True if name in budgets else None
     # CUDA graphs: the LLM's blocks once, an encoder's once per row count it meets (its rows rounded coarsely)
     mode = cfg.train.compile_mode if cfg and cfg.train.compile_mode != "default" else None
+    dynamic = encoder_dynamic(name in budgets, mode)
     for block in transformer_blocks(name, module):
         block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic, mode=mode)
 
@@ -70,6 +68,18 @@ def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
     graphs = cfg.train.compile_mode == "reduce-overhead"
     return {n: RowBudget(r, cfg.train.global_batch_size, graph_multiple(r) if graphs else ROW_MULTIPLE)
             for n, r in rows.items() if r}
+
+
+def encoder_dynamic(encoder: bool, mode: str | None) -> bool | None:
+    """How a block's row count is traced. An encoder's rows follow the data (rounded to ROW_MULTIPLE, not
+    padded to the budget): traced symbolically from the first call (resumed frames after a graph break too),
+    so no row count recompiles. Under CUDA graphs its rows fall in at most GRAPH_ROW_BUCKETS counts, each
+    captured anyway: there they are static, one compile per count met, because inductor's reductions over a
+    symbolic row count (LayerNorm's weight and bias gradients, the linears' bias gradients) were the ViT's
+    slow kernels (bench/RESULTS.md, round 6). False, not None: None would turn the second count symbolic."""
+    if not encoder:
+        return None
+    return mode != "reduce-overhead"
 
 
 def graph_multiple(rows: int) -> int:
