@@ -47,6 +47,15 @@ LLM_SMALL = ["--model.language.hidden_size=896", "--model.language.num_layers=24
              "--model.language.num_kv_heads=2", "--model.language.intermediate_size=4864",
              "--model.language.vocab_size=151936", "--model.language.attention_bias=true",
              "--model.language.rope_theta=1000000.0"]
+# a Qwen3-MoE-shaped LLM that fits one H200 with the ViT: 24 layers of width 2048 (16 heads of 128, 4 K/V heads,
+# QK-norm), 16 experts of width 1408, 2 per token, in every layer: 0.98B active matmul parameters (the LM head's
+# 0.31B among them), 3.9B in all (4.3B with the ViT and audio encoder)
+LLM_MOE = ["--model.language.hidden_size=2048", "--model.language.num_layers=24", "--model.language.num_heads=16",
+           "--model.language.num_kv_heads=4", "--model.language.intermediate_size=5632",
+           "--model.language.qk_norm=true", "--model.language.num_experts=16",
+           "--model.language.num_experts_per_tok=2", "--model.language.moe_intermediate_size=1408",
+           "--model.language.vocab_size=151936", "--model.language.rope_theta=1000000.0"]
+SMALL_MOE = ["--model.language.num_experts=8", "--model.language.moe_intermediate_size=32"]
 VIT = ["--model.vision.hidden_size=1152", "--model.vision.num_layers=27", "--model.vision.num_heads=16",
        "--model.vision.intermediate_size=4304", "--model.vision.patch_size=14", "--model.vision.position_grid=27"]
 AUDIO = ["--model.audio.num_features=80", "--model.audio.hidden_size=384", "--model.audio.num_layers=4",
@@ -95,7 +104,8 @@ def main() -> None:
                         "to each step's longest (shapes change), or fixed to --seq tokens")
     p.add_argument("--adam", choices=("auto", "foreach"), default="auto",
                    help="foreach: the multi-kernel AdamW instead of the fused one loom picks on GPU (A/B)")
-    p.add_argument("--llm", choices=("1.5b", "0.5b"), default="1.5b", help="the LLM's shape (0.5b: encoder-heavy)")
+    p.add_argument("--llm", choices=("1.5b", "0.5b", "moe"), default="1.5b",
+                   help="the LLM's shape (0.5b: encoder-heavy; moe: Qwen3-MoE-shaped, 16 experts, 2 active)")
     p.add_argument("--images", type=int, default=1, help="images per sample")
     p.add_argument("--per-gpu", type=int, default=0, help="samples per GPU per step (0: 3 per 4096 of --seq)")
     p.add_argument("--steps", type=int, default=8)
@@ -119,7 +129,10 @@ def main() -> None:
     shape = dataclasses.replace(SMALL if args.small else Shape(), images=args.images)
     per_gpu = args.per_gpu or max(1, SAMPLES_PER_4K * args.seq // 4096)
     workload = PackedSteps(shape, world, per_gpu, args.seq)
-    sizes = SMALL_MODEL if args.small else (LLM if args.llm == "1.5b" else LLM_SMALL) + VIT + AUDIO
+    if args.small:
+        sizes = SMALL_MODEL + (SMALL_MOE if args.llm == "moe" else [])
+    else:
+        sizes = {"1.5b": LLM, "0.5b": LLM_SMALL, "moe": LLM_MOE}[args.llm] + VIT + AUDIO
     cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
         *padded_overrides(args, shape),

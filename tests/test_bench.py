@@ -63,6 +63,20 @@ def test_flops_by_hand():
     assert step_flops(100, 2, 8, [3, 5], [(50, 1, 4, [2, 2])]) == llm + encoder == 9648
 
 
+def test_flops_count_a_mixture_of_experts_at_its_active_share():
+    """Each token meets the router and top_k of E experts: a block of 8 experts of width 6, 2 per token, costs a
+    dense SwiGLU of width 2·6 plus the router's [8, hidden] — an oracle from another module, not the formula."""
+    from loom.models.layers import SwiGLU
+    from loom.models.moe import MoEBlock
+    from loom.models.router import RouterSpec
+
+    hidden, width, experts, k = 4, 6, 8, 2
+    block = MoEBlock(hidden, RouterSpec(experts, k), width)
+    assert matmul_params(block) == matmul_params(SwiGLU(hidden, k * width)) + experts * hidden
+    shared = MoEBlock(hidden, RouterSpec(experts, k), width, n_shared=1)  # a shared expert runs on every token
+    assert matmul_params(shared) == matmul_params(block) + matmul_params(SwiGLU(hidden, width))
+
+
 def test_flops_of_samples_counts_patches_and_audio_frames():
     spec = {"patch": 4, "llm": (100, 2, 8), "vision": (50, 1, 4), "audio": (30, 3, 6), "llm_length": len}
     samples = [Sample([0] * 10, [False] * 10, [torch.zeros(3, 8, 12)], [torch.zeros(16, 7)]),
