@@ -48,3 +48,59 @@ def test_ep_is_a_view_of_dp_x_cp_per_stage_and_tp_rank():
     print_plan(topo, Console(file=out, width=200))
     text = out.getvalue()
     assert "dp2 ep2" in text and "dp0 tp0 cp1 ep1" in text and "dp1 tp1 cp0 ep0" in text
+
+
+def _ep_block_eager_and_compiled(skewed: bool) -> list[dict[str, float]]:
+    """On each of 2 ranks: the same block twice, its experts split over ep 2 (parallel/experts.py), one block
+    compiled (dynamo + AOTAutograd around the uneven all-to-alls); two batches of each rank's own tokens, routed
+    differently (skewed: the first sends every token to rank 0's experts), so split sizes traced as constants
+    would show. Per batch, the largest difference of output, input gradient and each local gradient."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from loom.models.moe import MoEBlock
+    from loom.models.router import RouterSpec
+    from loom.parallel.experts import ExpertParallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    blocks = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        b = MoEBlock(16, RouterSpec(8, 2, "sigmoid", choice_bias=True), 8)
+        with torch.no_grad():
+            for p in b.parameters():
+                p.normal_(0, 0.3)
+        parallelize_module(b.experts, mesh, ExpertParallel())
+        blocks.append(b)
+    blocks[1].forward = torch.compile(blocks[1].forward, backend="aot_eager")
+    diffs = []
+    for batch in range(2):
+        torch.manual_seed(10 * batch + dist.get_rank())
+        x, g = torch.randn(12, 16), torch.randn(12, 16)
+        bias = torch.tensor([50.0, 50.0] + [0.0] * 6) if skewed and batch == 0 else torch.zeros(8)
+        results = []
+        for b in blocks:
+            b.gate.e_score_correction_bias.copy_(bias)  # selection only: experts 0 and 1 take every token
+            b.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = b(xi)
+            y.backward(g)
+            local = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in b.named_parameters()}
+            results.append((y.detach(), xi.grad, local, b.tokens_per_expert.clone()))
+        (y0, gx0, p0, c0), (y1, gx1, p1, c1) = results
+        assert torch.equal(c0, c1) and (c0[2:].sum() == 0) == (skewed and batch == 0), (batch, c0, c1)
+        diffs.append({"out": float((y0 - y1).abs().max()), "x_grad": float((gx0 - gx1).abs().max()),
+                      **{n: float((p0[n] - p1[n]).abs().max()) for n in p0}})
+    return diffs
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["routed", "skewed"])
+def test_expert_parallel_block_compiles_to_the_same_output_and_gradients(worlds, skewed):
+    """EP composes with compile: the compiled block's uneven all-to-alls give eager's output and gradients on
+    every rank (eager EP equals one process: tests/test_moe_parity.py), also when one rank's experts get nothing."""
+    for rank, batches in enumerate(worlds.run(2, _ep_block_eager_and_compiled, skewed, timeout=240)):
+        for batch, diffs in enumerate(batches):
+            assert max(diffs.values()) < 1e-6, f"rank {rank} batch {batch}: {diffs}"
