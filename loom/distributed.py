@@ -9,7 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from loom.rank_gpus import check_gpu_per_local_rank, check_no_shared_gpu, gather_gpus, gpu_of_this_rank, ranks_use_cuda
+from loom.rank_gpus import (check_gpu_per_local_rank, check_no_shared_gpu, gpu_of_this_rank, gpus_claimed_twice,
+                             ranks_use_cuda)
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -59,9 +60,9 @@ def join_process_group(rank_device: torch.device, backend: str, timeout: timedel
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
     use_cuda = rank_device.type == "cuda"
-    if use_cuda:  # NCCL refuses two ranks on one GPU; only a gather shows it: over the store, with a timeout
-        gpus = gather_gpus(store, rank, world_size, gpu_of_this_rank(rank_device.index), timeout.total_seconds())
-        check_no_shared_gpu(gpus, rank, backend)
+    if use_cuda:  # NCCL refuses two ranks on one GPU; only the ranks together see it: over the store, with a timeout
+        gpu = gpu_of_this_rank(rank_device.index)
+        check_no_shared_gpu(gpus_claimed_twice(store, rank, world_size, gpu, timeout.total_seconds()), rank, backend)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size,
                             device_id=rank_device if use_cuda else None, timeout=timeout)
 

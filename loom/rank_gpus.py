@@ -3,8 +3,8 @@
 local launcher's choice of CPU ranks when the machine has GPUs, but fewer than the job's ranks.
 
 The per-machine check reads torchrun's environment alone, so every rank of a machine decides the same without
-communicating; the shared-GPU check gathers each rank's GPU over the rendezvous store, with a timeout, before
-NCCL starts. Either raises `NoGpuOfItsOwn` (exit code 2), which one rank prints."""
+communicating; the shared-GPU check claims each rank's GPU in the rendezvous store, with a timeout, before NCCL
+starts. Either raises `NoGpuOfItsOwn` (exit code 2), which one rank prints."""
 
 from __future__ import annotations
 
@@ -89,39 +89,48 @@ def gpu_of_this_rank(local_rank: int) -> dict[str, str | int]:
     return {"uuid": uuid, "host": socket.gethostname(), "local_rank": local_rank}
 
 
-def gather_gpus(store, rank: int, world_size: int, gpu: Mapping[str, str | int], timeout_s: float) -> list[dict]:
-    """Every rank's GPU, in rank order, through the rendezvous store: a key per rank, and a wait that ends after
-    `timeout_s` (DistStoreError) when a rank never publishes, so it cannot hang."""
+def gpus_claimed_twice(store, rank: int, world_size: int, gpu: Mapping[str, str | int], timeout_s: float
+                       ) -> list[list[dict]]:
+    """The ranks that found their GPU already claimed, as [holder, claimer] pairs (empty: a GPU per rank), the
+    same on every rank. Each rank claims its GPU's UUID in the rendezvous store (compare_set: the first claim
+    wins) and counts itself in; a few store operations per rank, not a gather of every rank's GPU (thousands of
+    ranks start through one store). A rank that never arrives ends the wait after `timeout_s` (DistStoreError)."""
     prefix = f"{GPU_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # a restarted job's keys are fresh
-    store.set(f"{prefix}/{rank}", json.dumps(gpu))
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout_s))
-    return [json.loads(store.get(key)) for key in keys]
+    mine = json.dumps({**gpu, "rank": rank})
+    holder = store.compare_set(f"{prefix}/uuid/{gpu['uuid']}", "", mine)
+    if holder != mine.encode():  # recorded before this rank counts itself in: complete once all have arrived
+        index = store.add(f"{prefix}/claimed-twice", 1) - 1
+        store.set(f"{prefix}/claimed-twice/{index}", json.dumps([json.loads(holder), json.loads(mine)]))
+    if store.add(f"{prefix}/arrived", 1) == world_size:
+        store.set(f"{prefix}/all-arrived", "1")
+    store.wait([f"{prefix}/all-arrived"], timedelta(seconds=timeout_s))
+    count = store.add(f"{prefix}/claimed-twice", 0)
+    return [json.loads(store.get(f"{prefix}/claimed-twice/{i}")) for i in range(count)]
 
 
-def ranks_sharing_a_gpu(gpus: list[Mapping[str, str | int]]) -> list[list[int]]:
-    """The groups of ranks (two or more) whose GPUs have the same UUID, in rank order."""
-    by_uuid: dict[str, list[int]] = {}
-    for rank, gpu in enumerate(gpus):
-        by_uuid.setdefault(str(gpu["uuid"]), []).append(rank)
-    return [ranks for ranks in by_uuid.values() if len(ranks) > 1]
+def ranks_sharing_a_gpu(pairs: list[list[Mapping]]) -> list[list[dict]]:
+    """The [holder, claimer] pairs grouped by GPU: each group's ranks' GPU records, in rank order."""
+    by_uuid: dict[str, dict[int, dict]] = {}
+    for pair in pairs:
+        for gpu in pair:
+            by_uuid.setdefault(str(gpu["uuid"]), {})[int(gpu["rank"])] = dict(gpu)
+    return [[ranks[r] for r in sorted(ranks)] for ranks in by_uuid.values()]
 
 
-def check_no_shared_gpu(gpus: list[Mapping[str, str | int]], rank: int, backend: str) -> None:
-    """Two ranks on one GPU: every rank, having gathered the same list, raises NoGpuOfItsOwn; rank 0 prints it."""
-    shared = ranks_sharing_a_gpu(gpus)
-    if shared:
+def check_no_shared_gpu(pairs: list[list[Mapping]], rank: int, backend: str) -> None:
+    """Two ranks on one GPU: every rank, having read the same pairs, raises NoGpuOfItsOwn; rank 0 prints it."""
+    if pairs:
         # every rank met at the store just before, so rank 0 is moments from printing
-        raise NoGpuOfItsOwn(shared_gpu_message(gpus, shared, backend), speaks=rank == 0, wait_s=5.0)
+        raise NoGpuOfItsOwn(shared_gpu_message(ranks_sharing_a_gpu(pairs), backend), speaks=rank == 0, wait_s=5.0)
 
 
-def shared_gpu_message(gpus: list[Mapping[str, str | int]], shared: list[list[int]], backend: str) -> str:
+def shared_gpu_message(groups: list[list[Mapping]], backend: str) -> str:
     """What ranks that share a GPU are told: which ranks, on which host and LOCAL_RANK, and the fixes."""
-    groups = "; ".join(
-        f"ranks {', '.join(map(str, ranks))} on {gpus[ranks[0]]['host']} (LOCAL_RANK "
-        f"{', '.join(str(gpus[r]['local_rank']) for r in ranks)}) share GPU {gpus[ranks[0]]['uuid']}"
-        for ranks in shared)
-    return (f"{groups}: NCCL needs a GPU per rank, and a rank's GPU is its LOCAL_RANK among the GPUs it sees. "
+    said = "; ".join(
+        f"ranks {', '.join(str(g['rank']) for g in gpus)} on {gpus[0]['host']} (LOCAL_RANK "
+        f"{', '.join(str(g['local_rank']) for g in gpus)}) share GPU {gpus[0]['uuid']}"
+        for gpus in groups)
+    return (f"{said}: NCCL needs a GPU per rank, and a rank's GPU is its LOCAL_RANK among the GPUs it sees. "
             f"Fix: one torchrun per machine with --nproc-per-node at most its GPU count (it numbers LOCAL_RANK "
             f"0…n-1), or {cpu_fix(backend)} to run every rank on CPU with gloo")
 

@@ -19,7 +19,7 @@ import loom.distributed
 from loom.config import ConfigError
 from loom.job import load_config
 from loom.rank_gpus import (NoGpuOfItsOwn, check_gpu_per_local_rank, check_no_shared_gpu, cpu_ranks_note,
-                            gather_gpus, ranks_sharing_a_gpu, ranks_use_cuda)
+                            gpus_claimed_twice, ranks_sharing_a_gpu, ranks_use_cuda)
 
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")
 
@@ -175,44 +175,53 @@ def test_the_other_ranks_stop_too_without_a_word(gpus, monkeypatch, capsys):
 # ---------------------------------------------------------------- two ranks on one GPU
 
 
-def _gpu(uuid: str, local_rank: int = 0, host: str = "node0") -> dict:
-    return {"uuid": uuid, "host": host, "local_rank": local_rank}
+def _gpu(uuid: str, local_rank: int = 0, host: str = "node0", rank: int | None = None) -> dict:
+    gpu = {"uuid": uuid, "host": host, "local_rank": local_rank}
+    return gpu if rank is None else {**gpu, "rank": rank}
 
 
-def test_ranks_sharing_a_gpu_are_found_by_its_uuid():
-    gpus = [_gpu("A", 0), _gpu("B", 1), _gpu("A", 0), _gpu("B", 1), _gpu("C", 0, "node1")]
-    assert ranks_sharing_a_gpu(gpus) == [[0, 2], [1, 3]]
-    assert ranks_sharing_a_gpu([_gpu("A"), _gpu("B")]) == []
+def test_ranks_sharing_a_gpu_are_grouped_by_its_uuid():
+    pairs = [[_gpu("A", 0, rank=0), _gpu("A", 0, rank=2)], [_gpu("B", 1, rank=1), _gpu("B", 1, rank=3)],
+             [_gpu("A", 0, rank=0), _gpu("A", 0, rank=4)]]
+    assert [[g["rank"] for g in group] for group in ranks_sharing_a_gpu(pairs)] == [[0, 2, 4], [1, 3]]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_two_ranks_on_one_gpu_stop_alike_and_rank_0_speaks(rank):
     with pytest.raises(NoGpuOfItsOwn) as e:
-        check_no_shared_gpu([_gpu("GPU-7", 0), _gpu("GPU-7", 0)], rank, "auto")
+        check_no_shared_gpu([[_gpu("GPU-7", 0, rank=0), _gpu("GPU-7", 0, rank=1)]], rank, "auto")
     assert e.value.speaks is (rank == 0)
     _has_all(str(e.value), "ranks 0, 1 on node0 (LOCAL_RANK 0, 0) share GPU GPU-7", "--nproc-per-node",
              "--train.device=cpu")
+    check_no_shared_gpu([], rank, "auto")  # a GPU each: nothing raised
 
 
-def test_every_rank_gathers_every_ranks_gpu_over_the_store():
-    store = dist.HashStore()
-    got = {}
+def _claim_on_threads(uuids: list[str]) -> dict[int, list]:
+    """Every rank (a thread each, ranks started in reverse) claims its GPU in one HashStore."""
+    store, got = dist.HashStore(), {}
 
-    def publish(rank: int) -> None:
-        got[rank] = gather_gpus(store, rank, 2, _gpu(f"U{rank}", rank), timeout_s=10)
+    def claim(rank: int) -> None:
+        got[rank] = gpus_claimed_twice(store, rank, len(uuids), _gpu(uuids[rank], rank), timeout_s=10)
 
-    threads = [threading.Thread(target=publish, args=(r,)) for r in (1, 0)]
+    threads = [threading.Thread(target=claim, args=(r,)) for r in reversed(range(len(uuids)))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert got[0] == got[1] == [_gpu("U0", 0), _gpu("U1", 1)]
+    return got
 
 
-def test_the_gather_ends_when_a_rank_never_publishes():
+def test_every_rank_reads_the_same_gpus_claimed_twice_over_the_store():
+    got = _claim_on_threads(["U0", "U1", "U0", "U2", "U0"])
+    assert got[0] == got[1] == got[2] == got[3] == got[4] and len(got[0]) == 2  # ranks 0, 2, 4 on U0
+    assert [[g["rank"] for g in group] for group in ranks_sharing_a_gpu(got[0])] == [[0, 2, 4]]
+    assert all(g == [] for g in _claim_on_threads(["U0", "U1", "U2"]).values())  # a GPU each
+
+
+def test_the_claim_ends_when_a_rank_never_arrives():
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError):  # DistStoreError: the missing rank's key
-        gather_gpus(dist.HashStore(), 0, 2, _gpu("U0"), timeout_s=0.5)
+    with pytest.raises(RuntimeError):  # DistStoreError: the missing rank never counted itself in
+        gpus_claimed_twice(dist.HashStore(), 0, 2, _gpu("U0"), timeout_s=0.5)
     assert time.monotonic() - t0 < 5
 
 
