@@ -9,12 +9,16 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 from loom.config import ConfigError
 from loom.data.conversations import BadSample
 from loom.exit_codes import CONFIG_ERROR, DATA_ERROR, STALLED
 from loom.job import load_config
+from loom.rank_gpus import CPU_RANKS_OVERRIDE, NoGpuOfItsOwn, cpu_ranks_note
 
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")  # what `loom train` runs with no CONFIG
@@ -74,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config, overrides, world_size)
         if args.command == "plan":
             return _plan(cfg, args)
+        if not launched and cfg.layout.world_size > 1 and _ranks_on_cpu(cfg, args.command):
+            overrides = [*overrides, CPU_RANKS_OVERRIDE]
+            cfg = load_config(config, overrides, world_size)  # as the ranks will read it: checked on CPU too
     except ConfigError as e:
         if _traceback_asked():
             raise
@@ -105,14 +112,28 @@ def launch_local(n_ranks: int, loom_args: list[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _ranks_on_cpu(cfg, command: str) -> bool:
+    """Whether the local ranks run on CPU because the machine has GPUs, but fewer than the job's ranks (said in
+    one line, with how to use the GPUs)."""
+    note = cpu_ranks_note(cfg.layout.world_size, torch.cuda.device_count(), cfg.parallel.backend, cfg.train.device,
+                          command)
+    if note:
+        print(note, file=sys.stderr)
+    return note is not None
+
+
 def _run(args, cfg) -> int:
     """train / verify: the same code on one process and on every rank of a torchrun launch."""
     from loom.distributed import CollectiveStalled, init_distributed, launched_world_size, shutdown
 
-    # under torchrun the rank's device follows the backend; one process honours train.device
+    # under torchrun the rank's device follows train.device and the backend; one process honours train.device
     device = None
     if launched_world_size() > 1:
-        device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, Path(cfg.run.out_dir) / "nccl-traces")
+        try:
+            device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s,
+                                      Path(cfg.run.out_dir) / "nccl-traces", cfg.train.device)
+        except NoGpuOfItsOwn as e:
+            return _no_gpu_of_its_own(e)
     try:
         if args.command == "verify":
             from loom.train.verify import ReferenceNotFinite, VerifyUsageError, verify
@@ -157,6 +178,17 @@ def _run(args, cfg) -> int:
         return DATA_ERROR
     finally:
         shutdown()
+
+
+def _no_gpu_of_its_own(error: NoGpuOfItsOwn) -> int:
+    """Every rank of the launch decided the same: one prints the config error, the others exit after it."""
+    if _traceback_asked():
+        raise error
+    if error.speaks:
+        print(f"loom: config error: {error}", file=sys.stderr, flush=True)
+    else:  # no process group yet: wait for torchrun to stop this rank once the speaking one exits
+        time.sleep(error.wait_s)
+    return CONFIG_ERROR
 
 
 def _traceback_asked() -> bool:

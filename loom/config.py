@@ -363,6 +363,9 @@ def check_combinations(cfg: JobConfig) -> None:
             "model.attention = 'varlen' runs only on CUDA with packed batches (data.format = 'thd'); "
             "use model.attention = 'auto' to fall back to SDPA elsewhere"
         )
+    if (t.device, cfg.parallel.backend) in (("cpu", "nccl"), ("cuda", "gloo")):  # NCCL runs on GPUs, gloo on CPU
+        raise ConfigError(f"train.device = {t.device!r} and parallel.backend = {cfg.parallel.backend!r} disagree: "
+                          f"NCCL runs the ranks on GPUs, gloo on CPU; set one of them to 'auto'")
     if d.tokens_per_microbatch and d.format != "thd":
         raise ConfigError("data.tokens_per_microbatch packs microbatches (data.format = 'thd'); padded (bshd) "
                           "microbatches are [rows, data.padded_length]: set data.tokens_per_microbatch = 0 and "

@@ -9,6 +9,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from loom.rank_gpus import (check_gpu_per_local_rank, check_no_shared_gpu, gpu_of_this_rank, gpus_claimed_twice,
+                             ranks_use_cuda)
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -24,22 +27,22 @@ def flight_recorder_env(trace_dir: str | os.PathLike) -> dict[str, str]:
             "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.fspath(trace_dir), "nccl-trace-rank-")}
 
 
-def init_distributed(backend: str = "auto", timeout_s: int = 600, trace_dir: str | os.PathLike | None = None
-                     ) -> torch.device:
+def init_distributed(backend: str = "auto", timeout_s: int = 600, trace_dir: str | os.PathLike | None = None,
+                     device: str = "auto") -> torch.device:
     """Initialises the default process group when launched by torchrun (WORLD_SIZE > 1) and returns this
-    rank's device: NCCL + its own GPU (LOCAL_RANK: one per process on each machine) when CUDA is present,
-    gloo + CPU otherwise. A collective that does not complete in `timeout_s` raises instead of hanging; on
-    NCCL the flight recorder dumps every rank's recent collectives to `trace_dir` then (variables the user
-    set win)."""
+    rank's device: NCCL + its own GPU (LOCAL_RANK: one per process on each machine) when `ranks_use_cuda`
+    (train.device `device` and `backend`; 'auto' both: CUDA present), gloo + CPU otherwise. On CUDA, a rank
+    without a GPU of its own raises NoGpuOfItsOwn before any process group exists. A collective that does not
+    complete in `timeout_s` raises instead of hanging; on NCCL the flight recorder dumps every rank's recent
+    collectives to `trace_dir` then (variables the user set win)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
-    device = torch.device("cpu")
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
+    rank_device = torch.device("cpu")
+    if ranks_use_cuda(backend, device):
+        # from the environment alone: every rank of the machine stops, none waits in the rendezvous for the others
+        check_gpu_per_local_rank(os.environ, torch.cuda.device_count(), backend, device)
+        rank_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(rank_device)
         if trace_dir is not None:  # read when the NCCL process group is created, so set before it
             os.makedirs(trace_dir, exist_ok=True)
             for key, value in flight_recorder_env(trace_dir).items():
@@ -47,9 +50,21 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600, trace_dir: str
     # DTensor warns that a norm over (dp, tp) takes two all-reduces; true, and cheap at the sizes that do it
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if launched_world_size() > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
-                                timeout=timedelta(seconds=timeout_s))
-    return device
+        join_process_group(rank_device, backend, timedelta(seconds=timeout_s))
+    return rank_device
+
+
+def join_process_group(rank_device: torch.device, backend: str, timeout: timedelta) -> None:
+    """The default process group (NCCL on a GPU `rank_device`, else gloo) over the env:// rendezvous store —
+    the one init_process_group would make itself — after checking over that store that no two ranks share a GPU."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    use_cuda = rank_device.type == "cuda"
+    if use_cuda:  # NCCL refuses two ranks on one GPU; only the ranks together see it: over the store, with a timeout
+        gpu = gpu_of_this_rank(rank_device.index)
+        check_no_shared_gpu(gpus_claimed_twice(store, rank, world_size, gpu, timeout.total_seconds()), rank, backend)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                            device_id=rank_device if use_cuda else None, timeout=timeout)
 
 
 def shutdown() -> None:
