@@ -1,9 +1,9 @@
 """The objective seam: an objective written once — here a toy one, the SFT loss counted twice on every other
 target of the samples that carry an image, marked by a per-token field — trains under every kind of step
-(plain, three-phase, non-colocated, non-colocated pipelined) and `loom verify` finds each equal to the
-one-process reference trained with the same objective. The field travels through packing, CP sharding, the
-pipeline's microbatch table and the bridges' placements without the step naming it; shard it one token off
-the labels and verify fails (`test_a_misplaced_field_fails`)."""
+(plain, three-phase, non-colocated pipelined; the non-colocated loop is test_grpo's) and `loom verify` finds
+each equal to the one-process reference trained with the same objective. The field travels through packing, CP
+sharding, the pipeline's microbatch table and the bridges' placements without the step naming it; shard it one
+token off the labels and verify fails (`test_a_misplaced_field_fails`)."""
 
 from __future__ import annotations
 
@@ -80,11 +80,11 @@ def placed(encoders: str, llm: str) -> list[str]:
 
 
 BUDGET = ["--train.microbatches=2", "--data.tokens_per_microbatch=512"]
-# (world size, overrides): one of each kind of step, with tp (loss parallel) and cp (the field sharded) in them
+# (world size, overrides): one of each kind of step, with tp (loss parallel) and cp (the field sharded) in them;
+# the non-colocated loop with its LLM under cp carries GRPO's advantages in tests/test_grpo.py
 LAYOUTS = {
     "plain-fan-in-llm-cp2": (4, ["--layout.vision.tp=1", "--layout.language.cp=2", "--data.pad_to_multiple=4"]),
     "three-phase-llm-pp2xtp2": (4, ["--layout.language.pp=2", "--layout.language.tp=2", *BUDGET]),
-    "noncolocated-llm-cp2": (3, placed("0-0", "1-2") + ["--layout.language.cp=2", *BUDGET]),
     "noncolocated-pipelined-llm-pp2": (3, placed("0-0", "1-2") + ["--layout.language.pp=2", *BUDGET]),
 }
 

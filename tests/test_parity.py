@@ -35,20 +35,20 @@ def mb(m: int, tokens: int) -> list[str]:
 
 # (world size, overrides): dp ∈ {1, 2, 4}, tp ∈ {1, 2, 4, 8}, dp×tp 2×2, with and without SP. A case runs on
 # 8 ranks only where 4 cannot show the same thing (each says why): an 8-rank case costs CI ~3× a 4-rank one.
+# A case that another contains is not run twice: vision and LLM tp4 are in vision-tp4-sp-fan-out-… and
+# vision-dp4-audio-tp2-llm-tp4; dp2×tp2 with SP is dp2xtp2-sp-bshd; M = 4 bins with fan-in is …-ac-full.
 LAYOUTS = {
     "dp1": (1, []),
     "dp2": (2, []),
     "tp2": (2, tp(2)),
     "tp2-sp": (2, tp(2) + SP + ["--data.pad_to_multiple=2"]),
     "dp4": (4, []),
-    "tp4": (4, tp(4) + ["--model.language.num_heads=8", "--model.language.num_kv_heads=4"]),
     "dp2xtp2": (4, tp(2)),
     "dp2xtp2-sp-bshd": (4, tp(2) + SP + ["--data.pad_to_multiple=2", "--data.format=bshd"]),
     "dp4-fsdp-units-of-3-blocks": (4, ["--parallel.blocks_per_unit=3"]),
     # 2 samples per replica: in some steps a replica holds no image or no audio clip, and still runs that
     # encoder for FSDP's collectives
     "dp4-replicas-without-images-or-audio": (4, ["--train.global_batch_size=8"]),
-    "dp2xtp2-sp": (4, tp(2) + SP + ["--data.pad_to_multiple=2"]),
     # a layout per module on the same ranks, joined by the colocated bridge
     "fan-in": (4, FAN_IN),
     "fan-out": (4, ["--layout.vision.tp=4"]),  # vision dp1 → LLM dp4
@@ -64,7 +64,6 @@ LAYOUTS = {
                                                    "--data.pad_to_multiple=4", "--data.format=bshd"] + SP),
     # more tp ranks than KV heads: each rank's query heads read one KV head, replicated on tp / kv ranks (tp 8
     # over 4 KV heads replicates as tp 4 over 2 does: no 8-rank case)
-    "tp4-2-kv-heads": (4, tp(2) + ["--layout.language.tp=4", "--model.language.num_heads=8"]),
     "qwen3-tp4-2-kv-heads-fan-in-sp": (4, QK_NORM + ["--layout.vision.tp=1", "--layout.language.tp=4",
                                                      "--model.language.num_heads=8", "--data.pad_to_multiple=4"] + SP),
     # sequence parallel encoders: their packed rows sharded over tp between layers, per-image attention whole
@@ -94,7 +93,6 @@ LAYOUTS = {
     "mb4-bins-dp2": (2, mb(4, 256)),
     "mb4-bins-with-empty-bins": (2, mb(4, 512) + ["--train.global_batch_size=4"]),
     "mb2-bins-tp2-sp": (2, mb(2, 512) + tp(2) + SP),
-    "mb4-bins-fan-in": (4, mb(4, 256) + FAN_IN),
     "mb2-bins-fan-out": (4, mb(2, 512) + ["--layout.vision.tp=4"]),
     "mb2-bins-cp2": (2, mb(2, 512) + ["--layout.language.cp=2"]),  # the sample multiple 4 is derived
     "mb4-bins-fan-in-ac-full": (4, mb(4, 256) + FAN_IN + ["--train.activation_checkpointing=full"]),

@@ -101,7 +101,7 @@ def _fault(name: str):
 
 def _verify_with_fault(fault: str, overrides: list[str]) -> list[dict]:
     with _fault(fault):
-        return run_verify(overrides)
+        return run_verify(overrides, steps=1)  # every fault here shows in step 1; more steps cost CI, not coverage
 
 
 # fault → (world size, layout, what must be named among the failures)
