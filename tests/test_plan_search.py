@@ -153,6 +153,26 @@ def test_fsdp_bytes_for_a_known_parameter_count():
                         unit_calibration())
     assert kept.seconds["fsdp"] == pytest.approx(1200 * 2 * 3 / 4 + 1200 * 4 * 3 / 4)
     assert c.bytes["weights+grads+adamw"] == pytest.approx(16 * 1200 / 4)
+    # a latency per FSDP unit: 2 blocks + the root, each gathered twice and reduced once
+    slow_links = {k: {4: Link(1.0, 1e30)} for k in ("all_gather", "all_reduce")}
+    per_unit = module_costs(SIZES, ModuleLayout(dp=4), s, 100, [100], 1, unit_calibration(collectives=slow_links))
+    assert per_unit.seconds["fsdp"] == pytest.approx(3 * 2 + 3)
+
+
+def test_a_split_layer_pays_its_measured_extra_host_time():
+    """calibration.layer_extra_s: per layer and microbatch, tp's and fsdp's extra for the nearest group size at or
+    below the module's; none on one rank."""
+    cal = unit_calibration(overhead_per_layer_s=0.125, layer_extra_s={"tp": {2: 0.5}, "fsdp": {2: 0.25, 4: 1.0}})
+    s = Settings(microbatches=3)
+
+    def host(lay: ModuleLayout) -> float:
+        return module_costs(SIZES, lay, s, 400, [100] * 4, 3, cal).seconds["host"]
+
+    assert host(ModuleLayout(dp=1)) == pytest.approx(3 * 2 * 0.125)  # 3 microbatches × 2 layers
+    assert host(ModuleLayout(tp=2, dp=2)) == pytest.approx(3 * 2 * (0.125 + 0.5 + 0.25))
+    assert host(ModuleLayout(dp=4)) == pytest.approx(3 * 2 * (0.125 + 1.0))
+    assert host(ModuleLayout(dp=8)) == pytest.approx(3 * 2 * (0.125 + 1.0))  # 8 not measured: 4's figure
+    assert host(ModuleLayout(tp=4, dp=2)) == pytest.approx(3 * 2 * (0.125 + 0.5 + 0.25))  # tp4: tp2's
 
 
 def test_more_tp_pays_more_tp_bytes():
@@ -203,6 +223,8 @@ def test_calibration_round_trip_and_errors(tmp_path):
     cal = cpu_calibration()
     path = save_calibration(cal, tmp_path / "cal.json")
     assert load_calibration(path) == replace(cal, source="")
+    split = replace(cal, layer_extra_s={"tp": {2: 0.03, 4: 0.08}, "fsdp": {2: 0.01}})
+    assert load_calibration(save_calibration(split, tmp_path / "split.json")).layer_extra_s == split.layer_extra_s
     assert load_calibration(None).matmul_flops_per_s == 800e12  # H200 defaults without a file
     data = json.loads(path.read_text())
     del data["collectives"]["all_reduce"]
@@ -229,3 +251,14 @@ def test_cli_search_needs_gpus(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--search"])
     assert "--search needs --gpus N" in capsys.readouterr().err
+
+
+def test_spearman_of_known_rankings():
+    from bench.plan_validate import spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # one swap among four: 1 − 6·Σd²/(n(n²−1)) = 1 − 6·2/60
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    # a tie takes the average rank: ranks (1.5, 1.5, 3) against (1, 2, 3) → Pearson of those ranks
+    assert spearman([5, 5, 9], [1, 2, 3]) == pytest.approx(1.5 / (1.5 * 2) ** 0.5)  # cov 1.5, variances 1.5, 2

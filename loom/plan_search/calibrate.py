@@ -8,7 +8,10 @@ Runs on every rank of N under torchrun (`python -m loom.plan_search.calibrate --
 - host overhead: forward + backward of a block with a handful of tokens (norm, q/k/v, attention, SwiGLU), whose
   arithmetic is negligible, so its time is the per-layer dispatch cost; a microbatch's own as one more such block;
 - all_gather and all_reduce for each group size 2, 4, … ≤ N (every rank in one of the N/g groups, all at once):
-  latency from a small buffer, bus bandwidth from a large one.
+  latency from a small buffer, bus bandwidth from a large one;
+- the same block split over each group: tensor parallel (DTensor) and FSDP2 — what the split adds per layer
+  beyond the plain block and beyond its collectives as the cost model prices them (`layer_extra_s`): dispatch,
+  hooks, and waiting for the group's slowest rank, which dominate a small model's step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loom.plan_search.calibration import Calibration, Link, save_calibration
+from loom.plan_search.cost import collective_s
 
 
 def _timed(fn, repeats: int, sync) -> float:
@@ -57,6 +61,38 @@ class _Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+def _split_block_s(kind: str, group, device: torch.device, repeats: int, sync) -> float:
+    """Forward + backward of _Block split over `group`: tp (DTensor, colwise in, rowwise out) or fsdp (FSDP2)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    block = _Block().to(device)
+    if kind == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(block, mesh, {"qkv": ColwiseParallel(), "out": RowwiseParallel(), "gate": ColwiseParallel(),
+                                         "up": ColwiseParallel(), "down": RowwiseParallel()})
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(block, mesh=mesh)
+        block.set_gradient_divide_factor(1.0)
+        if dist.get_backend(group) == "gloo":  # no PREMUL_SUM on gloo (as parallel/fsdp.py)
+            block.set_force_sum_reduction_for_comms(True)
+    x = torch.randn(16, 64, device=device, requires_grad=True)
+    dist.barrier()
+    return _timed(lambda: block(x).sum().backward(), repeats * 3, sync)
+
+
+def _priced(cal_links: dict[str, dict[int, Link]], kind: str, g: int) -> float:
+    """What the cost model already charges _Block's collectives when split over g ranks."""
+    cal = Calibration("", 1.0, 1.0, 0.0, 0.0, False, 0.0, cal_links)
+    if kind == "tp":  # two row-parallel outputs forward, two column-parallel input gradients backward
+        return 4 * collective_s(cal, "all_reduce", g, 16 * 64 * 4)
+    params = sum(p.numel() for p in _Block().parameters()) * 4
+    return 2 * collective_s(cal, "all_gather", g, params) + collective_s(cal, "reduce_scatter", g, params)
+
+
 def measure(device: torch.device, quick: bool = False) -> Calibration:
     world, rank = dist.get_world_size(), dist.get_rank()
     cuda = device.type == "cuda"
@@ -72,14 +108,16 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     dist.barrier()
     matmul_s = slowest(_timed(lambda: a @ b, repeats, sync))
-    big = torch.empty((1 << 30) // 4 if cuda else (64 << 20) // 4, device=device)
+    big = torch.ones((1 << 30) // 4 if cuda else (64 << 20) // 4, device=device)
+    dst = torch.zeros_like(big)  # written before timing: no first-touch page faults in the copy
     dist.barrier()
-    copy_s = slowest(_timed(lambda: big.clone(), repeats, sync))
+    copy_s = slowest(_timed(lambda: dst.copy_(big), repeats, sync))
     block = _Block().to(device)
     x = torch.randn(16, 64, device=device, requires_grad=True)
     dist.barrier()
     layer_s = slowest(_timed(lambda: block(x).sum().backward(), repeats * 3, sync))
     links: dict[str, dict[int, Link]] = {"all_gather": {}, "all_reduce": {}}
+    extras: dict[str, dict[int, float]] = {"tp": {}, "fsdp": {}}
     small, large = 4096, (256 << 20 if cuda else 8 << 20)
     g = 2
     while g <= world:
@@ -98,6 +136,9 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
                 factor = (2 if kind == "all_reduce" else 1) * (g - 1) / g  # bus bytes per buffer byte
                 extra = max(times[large] - times[small], 1e-9)
                 links[kind][g] = Link(times[small], factor * (large - small) / extra)
+            for kind in extras:
+                split = slowest(_split_block_s(kind, mine, device, repeats, sync))
+                extras[kind][g] = max(0.0, split - layer_s - _priced(links, kind, g))
         g *= 2
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ({torch.get_num_threads()} threads per rank)"
     return Calibration(
@@ -110,6 +151,7 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
         memory_reserved_bytes=(4 if cuda else 0.5) * 2**30,
         collectives=links,
         source=f"measured by loom plan --calibrate on {world} ranks",
+        layer_extra_s=extras,
     )
 
 
@@ -130,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"calibration: {save_calibration(cal, args.out)}: {cal.matmul_flops_per_s / 1e9:,.1f} GFLOP/s, "
                   f"host {cal.overhead_per_layer_s * 1e3:.2f} ms per layer, " + ", ".join(
                       f"{k} g{g} {link.bus_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} µs"
-                      for k, t in cal.collectives.items() for g, link in t.items()))
+                      for k, t in cal.collectives.items() for g, link in t.items()) + ", per layer split " + ", ".join(
+                      f"{k} g{g} +{s * 1e3:.1f} ms" for k, t in cal.layer_extra_s.items() for g, s in t.items()))
     finally:
         shutdown()
     return 0

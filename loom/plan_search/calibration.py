@@ -37,6 +37,18 @@ class Calibration:
     # kind → group size → Link; a size not measured takes the nearest measured size below it (or the smallest)
     collectives: dict[str, dict[int, Link]] = field(default_factory=dict)
     source: str = ""  # where the numbers come from
+    # "tp" / "fsdp" → group size → host and synchronisation time one layer's forward + backward adds per
+    # microbatch when split over that many ranks, beyond its collectives' own latency and bytes (DTensor
+    # dispatch, FSDP hooks, waiting for the slowest rank); measured on a tiny block, none in the defaults
+    layer_extra_s: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def extra(self, kind: str, group: int) -> float:
+        """layer_extra_s for `group` ranks: the nearest measured size below it; 0 for one rank or none measured."""
+        table = self.layer_extra_s.get(kind)
+        if group <= 1 or not table:
+            return 0.0
+        below = [g for g in table if g <= group]
+        return table[max(below) if below else min(table)]
 
     def link(self, kind: str, group: int) -> Link:
         table = self.collectives.get(kind)
@@ -50,6 +62,8 @@ class Calibration:
         out = asdict(self)
         out["collectives"] = {kind: {str(g): asdict(link) for g, link in sorted(table.items())}
                               for kind, table in self.collectives.items()}
+        out["layer_extra_s"] = {kind: {str(g): s for g, s in sorted(table.items())}
+                                for kind, table in self.layer_extra_s.items()}
         return out
 
     @staticmethod
@@ -57,6 +71,8 @@ class Calibration:
         try:
             collectives = {kind: {int(g): Link(float(v["latency_s"]), float(v["bus_bytes_per_s"]))
                                   for g, v in table.items()} for kind, table in data["collectives"].items()}
+            extras = {kind: {int(g): float(s) for g, s in table.items()}
+                      for kind, table in data.get("layer_extra_s", {}).items()}
             fields = {k: data[k] for k in ("device", "matmul_flops_per_s", "memory_bytes_per_s", "overhead_per_layer_s",
                                            "overhead_per_microbatch_s", "host_overlaps_device",
                                            "memory_reserved_bytes")}
@@ -69,7 +85,8 @@ class Calibration:
         for kind in COLLECTIVES:
             if kind not in collectives:
                 raise ConfigError(f"{where}: collectives.{kind} is missing (measured kinds: {list(COLLECTIVES)})")
-        return Calibration(collectives=collectives, source=str(data.get("source", "")), **fields)
+        return Calibration(collectives=collectives, source=str(data.get("source", "")), layer_extra_s=extras,
+                           **fields)
 
 
 def load_calibration(path: str | Path | None) -> Calibration:

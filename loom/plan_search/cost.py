@@ -9,14 +9,18 @@ Per rank and step, each module it hosts costs
     ep          4 all-to-alls per sparse layer and microbatch (dispatch, combine; forward, backward)
     pp          each microbatch's activations sent to the next stage, and their gradient back
     fsdp        all-gather of the module's parameters (per dp×cp group) per microbatch — twice when resharded
-                after forward — and one reduce-scatter of the gradients per step (per microbatch: pp_grad_reduce)
+                after forward — and one reduce-scatter of the gradients per step (per microbatch: pp_grad_reduce);
+                one collective per FSDP unit (each block, and the root)
     bridge      the encoder rows into the LLM and their gradients back (colocated: a collective; p2p otherwise)
     optimizer   AdamW over the rank's fp32 shards: 28 bytes a parameter at memory bandwidth
-    host        the host's launches: per layer and microbatch, and per microbatch
-The LLM's share is stretched by the pipeline bubble (p−1)/(m+p−1). A colocated rank runs its modules one after
-the other; non-colocated encoder and LLM ranks run at once: max(E, L) + min(E, L)/M (the first microbatch's
-encoder forward and the last one's backward have nothing to overlap with). Collectives are not overlapped with
-compute (FSDP's prefetch does hide some on GPU): the model ranks layouts, its absolute times are estimates.
+    host        the host's launches: per layer and microbatch (plus what a TP or FSDP split adds, measured:
+                calibration.layer_extra_s), and per microbatch
+The LLM's per-microbatch terms are stretched by the pipeline bubble (p−1)/(m+p−1). A colocated rank runs its
+modules one after the other; non-colocated encoder and LLM ranks run at once: max(E, L) + min(E, L)/M (the first
+microbatch's encoder forward and the last one's backward have nothing to overlap with). Collectives are not
+overlapped with compute (FSDP's prefetch does hide some on GPU). The model is meant to rank layouts, and its
+absolute times are estimates; how well it does either is measured in bench/RESULTS.md ("Cost model of loom plan
+--search").
 
 Memory per GPU: fp32 weights, gradients and AdamW moments (16 bytes a parameter) sharded over the module's
 dp×cp (experts: ep × efsdp), the unsharded gradient accumulated over microbatches, the gathered weights, and
@@ -139,9 +143,10 @@ def pipeline_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
-def collective_s(cal: Calibration, kind: str, group: int, nbytes: float) -> float:
-    """One collective over `group` ranks; `nbytes` is the whole buffer (all-gather's output, reduce-scatter's
-    input, all-reduce's tensor, all-to-all's input). Bus bytes per rank: (g−1)/g of it, twice for all-reduce."""
+def collective_s(cal: Calibration, kind: str, group: int, nbytes: float, calls: int = 1) -> float:
+    """`calls` collectives over `group` ranks moving `nbytes` together (the whole buffer: all-gather's output,
+    reduce-scatter's input, all-reduce's tensor, all-to-all's input): a latency per call, and the bus bytes per
+    rank — (g−1)/g of the buffer, twice for all-reduce — at the bus bandwidth."""
     if group <= 1 or nbytes <= 0:
         return 0.0
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):  # reduce-scatter mirrors all-gather; a2a as ag
@@ -152,7 +157,7 @@ def collective_s(cal: Calibration, kind: str, group: int, nbytes: float) -> floa
         link, bus = cal.link("all_gather", 2), nbytes
     else:
         raise ValueError(f"unknown collective {kind!r}")
-    return link.latency_s + bus / link.bus_bytes_per_s
+    return calls * link.latency_s + bus / link.bus_bytes_per_s
 
 
 def fsdp_bytes(params: int, tp: int, pp: int, param_bytes: int) -> float:
@@ -208,13 +213,16 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     gathers = runs_per_step * (2 if s.reshard_after_forward else 1)
     reduces = runs_per_step if (pp > 1 and s.pp_grad_reduce == "microbatch") else 1
     fsdp = 0.0
-    for params, group in ((dense, shard_group), (experts, expert_group)):
-        fsdp += gathers * collective_s(cal, "all_gather", group, fsdp_bytes(params, tp, pp, s.dtype_bytes))
-        fsdp += reduces * collective_s(cal, "reduce_scatter", group, fsdp_bytes(params, tp, pp, 4))
+    # one FSDP unit per block, plus the root (embeddings, head, norms): a collective per unit, not per module
+    units = ((layers + 1, dense, shard_group), (max(1, m.sparse_layers // pp), experts, expert_group))
+    for calls, params, group in units:
+        fsdp += gathers * collective_s(cal, "all_gather", group, fsdp_bytes(params, tp, pp, s.dtype_bytes), calls)
+        fsdp += reduces * collective_s(cal, "reduce_scatter", group, fsdp_bytes(params, tp, pp, 4), calls)
     c.seconds["fsdp"] = fsdp
     local_params = dense / (tp * pp * shard_group) + experts / (tp * pp * expert_group)
     c.seconds["optimizer"] = ADAMW_BYTES * local_params / cal.memory_bytes_per_s
-    c.seconds["host"] = runs_per_step * (layers * cal.overhead_per_layer_s + cal.overhead_per_microbatch_s)
+    per_layer = cal.overhead_per_layer_s + cal.extra("tp", tp) + cal.extra("fsdp", dp * cp)
+    c.seconds["host"] = runs_per_step * (layers * per_layer + cal.overhead_per_microbatch_s)
     # memory
     unsharded = dense / (tp * pp) + experts / (tp * pp)
     c.bytes["weights+grads+adamw"] = STATE_BYTES * local_params
