@@ -1,14 +1,17 @@
-"""The cost model of `loom plan --search` on GPUs: predicted against measured ranking of layouts of the 2B
-workload (bench/mm_bench.py: Qwen2.5-1.5B-shaped LLM, SigLIP-so400m-shaped ViT, Whisper-shaped audio) on 4 GPUs.
-Target: Spearman ≥ 0.8 between predicted and measured tokens/s. NOT RUN YET (written in a CPU-only session).
+"""The cost model of `loom plan --search` on GPUs: the layouts the search proposes for the 2B workload
+(bench/mm_bench.py: Qwen2.5-1.5B-shaped LLM, SigLIP-so400m-shaped ViT, Whisper-shaped audio), predicted against
+measured step time, and the Spearman rank correlation of the two (issue 34's target: ≥ 0.8 over the top 5).
 
-    python -m loom plan --calibrate --gpus 4 --calibration /tmp/h200x4.json      # optional: H200 defaults else
-    python bench/plan_validate_gpu.py --gpus 4 --calibration /tmp/h200x4.json --out OUT.jsonl
+    python -m loom plan --calibrate --gpus 1 --calibration $OUT/cal.json     # optional: H200 defaults else
+    python bench/plan_validate_gpu.py --gpus 1 --top 5 --calibration $OUT/cal.json --out $OUT/plan-gpu.jsonl
+    python bench/plan_validate_gpu.py --gpus 1 --top 5 --predict-only         # the proposed rows, no GPU needed
 
-For each layout of LAYOUTS: the prediction (the cost model on mm_bench's config and its own samples), then
-`torchrun --nproc-per-node=N bench/mm_bench.py --steps 6 --warmup 2 --set …` with the layout's overrides (one
-process per row, as run_mm.sh does); one JSON line per layout, then the Spearman of the two rankings. Each row
-takes 1–2 minutes on H200s (compile off, eager bf16): run the rows in several calls if a call is limited.
+The search runs as `loom plan --search` does (search.py: priced, then accepted by loom's own checks, best first),
+on mm_bench's config and on the samples mm_bench trains on at the measured steps. On one GPU only M and T vary
+(no placement, no split; activation checkpointing and compile are the config's, not searched). Each proposed
+layout is then one `torchrun --nproc-per-node=N bench/mm_bench.py --set …` with the layout's overrides (a
+process per row, as run_mm.sh does): one JSON line per layout, then the Spearman. Eager bf16 (compile off, as
+mm_bench's default config); each row is a start-up plus `--warmup` + `--steps` steps.
 """
 
 from __future__ import annotations
@@ -20,21 +23,9 @@ import subprocess
 import sys
 
 from bench.plan_validate import spearman
-from loom.plan_search.cost import ModuleLayout as L
-from loom.plan_search.search import Candidate
 
-SEQ = 8192
-# vision, audio, language on 4 GPUs; M; T
-LAYOUTS = [
-    ({"vision": L(dp=4), "audio": L(dp=4), "language": L(dp=4)}, 1, SEQ),
-    ({"vision": L(dp=4), "audio": L(dp=4), "language": L(dp=4)}, 2, SEQ),
-    ({"vision": L(dp=4), "audio": L(dp=4), "language": L(tp=2, dp=2)}, 1, SEQ),
-    ({"vision": L(tp=2, dp=2), "audio": L(dp=4), "language": L(dp=4)}, 1, SEQ),
-    ({"vision": L(dp=4), "audio": L(dp=4), "language": L(cp=2, dp=2)}, 1, SEQ),
-    ({"vision": L(dp=4), "audio": L(dp=4), "language": L(pp=2, dp=2)}, 4, SEQ),
-    ({"vision": L(dp=1), "audio": L(dp=1), "language": L(dp=3, start=1)}, 2, SEQ),
-    ({"vision": L(dp=2), "audio": L(dp=2), "language": L(dp=2, start=2)}, 2, SEQ),
-]
+SEQ = 8192  # tokens per GPU per step that mm_bench packs each replica's samples into
+WARMUP = 2
 
 
 def mm_config_overrides(world: int, per_gpu: int) -> list[str]:
@@ -45,77 +36,89 @@ def mm_config_overrides(world: int, per_gpu: int) -> list[str]:
             f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000"]
 
 
-def predict(world: int, calibration: str | None, per_gpu: int) -> list[dict]:
+def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top: int) -> tuple[list, object]:
+    """The search's `top` layouts for mm_bench's job on `world` GPUs, priced on the measured steps' samples."""
     from bench.workload import PackedSteps, Shape
     from loom.job import load_config
     from loom.plan_search.calibration import load_calibration
-    from loom.plan_search.cost import Workload, estimate
-    from loom.plan_search.search import settings_of
-    from loom.plan_search.workload import module_sizes
+    from loom.plan_search.cost import Workload
+    from loom.plan_search.search import search
+    from loom.plan_search.workload import JobFacts, module_sizes
     from loom.train.job_data import job_tokenizer, with_vocabulary
     from loom.train.job_model import build_job_model, token_counters
 
-    cal = load_calibration(calibration)
-    out = []
-    for layouts, m, t in LAYOUTS:
-        c = Candidate(world, layouts, m, t)
-        cfg = load_config(None, [*mm_config_overrides(world, per_gpu), *c.overrides()], world)  # loom accepts it
-        tok = job_tokenizer(cfg)
-        model = build_job_model(with_vocabulary(cfg, tok), tok)
-        counters = token_counters(model)
-        samples = PackedSteps(Shape(), world, per_gpu, SEQ).global_batch(0)  # mm_bench's own samples
-        work = Workload(tuple(len(s) for s in samples),
-                        {n: tuple(cnt(i) for s in samples for i in s.items(n)) for n, cnt in counters.items()})
-        e = estimate(module_sizes(model), c.layouts, settings_of(cfg, c), work, cal)
-        out.append({"candidate": c, "predicted_step_s": e.step_s,
-                    "predicted_tokens_per_s_per_gpu": e.tokens_per_s / world,
-                    "predicted_memory_gib": e.memory_bytes / 2**30})
-    return out
+    overrides = mm_config_overrides(world, per_gpu)
+    cfg = load_config(None, overrides, world)
+    tok = job_tokenizer(cfg)
+    model = build_job_model(with_vocabulary(cfg, tok), tok)  # on meta: sizes only
+    counters = token_counters(model)
+    packed = PackedSteps(Shape(), world, per_gpu, SEQ)  # mm_bench's own samples, step by step
+    drawn = []
+    for step in range(WARMUP, WARMUP + steps):
+        samples = packed.global_batch(step)
+        drawn.append(Workload(tuple(len(s) for s in samples),
+                              {n: tuple(cnt(i) for s in samples for i in s.items(n)) for n, cnt in counters.items()}))
+    facts = JobFacts(module_sizes(model), tuple(drawn), {"mm_bench samples": Shape().longest})
+    result = search(None, overrides, cfg, facts, world, load_calibration(calibration), top=top)
+    return result.ranked, result
 
 
-def measure(c: Candidate, per_gpu: int, steps: int) -> dict:
-    sets = [o[2:] for o in c.overrides()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={c.world_size}",
-           "bench/mm_bench.py", "--seq", str(SEQ), "--per-gpu", str(per_gpu), "--steps", str(steps), "--warmup", "2"]
-    for kv in sets:
-        cmd += ["--set", kv]
+def measure(overrides: list[str], world: int, per_gpu: int, steps: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "bench/mm_bench.py", "--seq", str(SEQ), "--per-gpu", str(per_gpu), "--steps", str(steps),
+           "--warmup", str(WARMUP)]
+    for o in overrides:
+        cmd += ["--set", o[2:]]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off on the lent machines
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in run.stdout.splitlines() if line.startswith('{"bench": "mm"')]
     if run.returncode or not lines:
-        return {"error": (run.stderr or run.stdout)[-2000:]}
+        return {"error": f"exit {run.returncode}: " + (run.stderr or run.stdout)[-2000:]}
     return json.loads(lines[-1])
 
 
 def main() -> None:
+    from loom.plan_search.report import summary_line
+
     p = argparse.ArgumentParser()
-    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--top", type=int, default=5, help="how many of the search's layouts to measure")
     p.add_argument("--calibration", default=None, help="default: the H200 figures in plan_search/calibration.py")
     p.add_argument("--per-gpu", type=int, default=6, help="samples per GPU per step (mm_bench's --per-gpu)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--rows", default="", help="indices of LAYOUTS to run, e.g. 0,1,2 (default: all)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--steps", type=int, default=6, help="measured steps per row (median), after 2 warm-up steps")
+    p.add_argument("--predict-only", action="store_true", help="print the proposed layouts; measure nothing")
+    p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args()
-    rows = predict(args.gpus, args.calibration, args.per_gpu)
-    chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(len(rows))
+    ranked, result = proposed(args.gpus, args.calibration, args.per_gpu, args.steps, args.top)
+    print(summary_line(result), flush=True)
+    if len(ranked) < args.top:
+        print(f"the search proposes {len(ranked)} layouts on {args.gpus} GPUs, fewer than --top {args.top}")
     done = []
-    for i in chosen:
-        r = rows[i]
-        c = r.pop("candidate")
-        got = measure(c, args.per_gpu, args.steps)
-        row = {"bench": "plan_validate_gpu", "index": i, "overrides": c.overrides(), **r,
-               "measured_tokens_per_s_per_gpu": got.get("tokens_per_s_per_gpu"), "measured_step_s": got.get("step_s"),
-               "measured_peak_gib": got.get("peak_mem_gib"), "error": got.get("error")}
+    for i, r in enumerate(ranked):
+        c, e = r.candidate, r.estimate
+        row = {"bench": "plan_validate_gpu", "gpus": args.gpus, "rank_predicted": i + 1,
+               "layout": " | ".join(f"{n} {c.describe(n)}" for n in c.layouts) + f" M{c.microbatches}"
+                         + (f" T{c.tokens_per_microbatch}" if c.tokens_per_microbatch else ""),
+               "calibration": args.calibration or "H200 defaults", "predicted_step_s": e.step_s,
+               "predicted_tokens_per_s_per_gpu": e.tokens_per_s / args.gpus,
+               "predicted_memory_gib": e.memory_bytes / 2**30,
+               "predicted_terms_ms": {k: round(v * 1e3, 2) for k, v in e.seconds.items()}, "overrides": c.overrides()}
+        if not args.predict_only:
+            got = measure(c.overrides(), args.gpus, args.per_gpu, args.steps)
+            row.update({"measured_step_s": got.get("step_s"), "measured_step_times": got.get("step_times"),
+                        "measured_tokens_per_s_per_gpu": got.get("tokens_per_s_per_gpu"),
+                        "measured_peak_gib": got.get("peak_mem_gib"), "device": got.get("device"),
+                        "torch": got.get("torch"), "error": got.get("error")})
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        if row["measured_tokens_per_s_per_gpu"]:
+        if row.get("measured_step_s"):
             done.append(row)
     if len(done) >= 3:
-        rho = spearman([r["predicted_tokens_per_s_per_gpu"] for r in done],
-                       [r["measured_tokens_per_s_per_gpu"] for r in done])
-        print(f"Spearman (predicted vs measured tokens/s per GPU, {len(done)} layouts): {rho:.3f} (target ≥ 0.8)")
+        rho = spearman([r["predicted_step_s"] for r in done], [r["measured_step_s"] for r in done])
+        print(f"Spearman (predicted vs measured step time, {len(done)} layouts on {args.gpus} GPUs): {rho:.3f} "
+              f"(target ≥ 0.8)")
 
 
 if __name__ == "__main__":
