@@ -3,8 +3,9 @@
 measured step time, and the Spearman rank correlation of the two (issue 34's target: ≥ 0.8 over the top 5).
 
     python -m loom plan --calibrate --gpus 1 --calibration $OUT/cal.json     # optional: H200 defaults else
-    python bench/plan_validate_gpu.py --gpus 1 --top 5 --calibration $OUT/cal.json --out $OUT/plan-gpu.jsonl
-    python bench/plan_validate_gpu.py --gpus 1 --top 5 --predict-only         # the proposed rows, no GPU needed
+    PYTHONPATH=. python bench/plan_validate_gpu.py --gpus 1 --top 5 --gpu-memory 78 --calibration $OUT/cal.json \
+        --out $OUT/plan-gpu.jsonl
+    PYTHONPATH=. python bench/plan_validate_gpu.py --gpus 1 --top 5 --predict-only   # the proposed rows, no GPU
 
 The search runs as `loom plan --search` does (search.py: priced, then accepted by loom's own checks, best first),
 on mm_bench's config and on the samples mm_bench trains on at the measured steps. On one GPU only M and T vary
@@ -36,7 +37,8 @@ def mm_config_overrides(world: int, per_gpu: int) -> list[str]:
             f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000"]
 
 
-def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top: int) -> tuple[list, object]:
+def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top: int,
+             gpu_memory_gib: float | None = None) -> tuple[list, object]:
     """The search's `top` layouts for mm_bench's job on `world` GPUs, priced on the measured steps' samples."""
     from bench.workload import PackedSteps, Shape
     from loom.job import load_config
@@ -59,7 +61,7 @@ def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top:
         drawn.append(Workload(tuple(len(s) for s in samples),
                               {n: tuple(cnt(i) for s in samples for i in s.items(n)) for n, cnt in counters.items()}))
     facts = JobFacts(module_sizes(model), tuple(drawn), {"mm_bench samples": Shape().longest})
-    result = search(None, overrides, cfg, facts, world, load_calibration(calibration), top=top)
+    result = search(None, overrides, cfg, facts, world, load_calibration(calibration), gpu_memory_gib, top)
     return result.ranked, result
 
 
@@ -86,10 +88,12 @@ def main() -> None:
     p.add_argument("--calibration", default=None, help="default: the H200 figures in plan_search/calibration.py")
     p.add_argument("--per-gpu", type=int, default=6, help="samples per GPU per step (mm_bench's --per-gpu)")
     p.add_argument("--steps", type=int, default=6, help="measured steps per row (median), after 2 warm-up steps")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="leave out layouts predicted to need more per GPU (as loom plan --search)")
     p.add_argument("--predict-only", action="store_true", help="print the proposed layouts; measure nothing")
     p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args()
-    ranked, result = proposed(args.gpus, args.calibration, args.per_gpu, args.steps, args.top)
+    ranked, result = proposed(args.gpus, args.calibration, args.per_gpu, args.steps, args.top, args.gpu_memory)
     print(summary_line(result), flush=True)
     if len(ranked) < args.top:
         print(f"the search proposes {len(ranked)} layouts on {args.gpus} GPUs, fewer than --top {args.top}")
