@@ -42,6 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("config", nargs="?", help="TOML job config")
     plan.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: layout.world_size)")
     plan.add_argument("--png", default=None, help="where to write the picture (default: <config name>.plan.png)")
+    plan.add_argument("--search", action="store_true",
+                      help="search the layouts of CONFIG on --gpus N: the fastest ones the cost model predicts, and "
+                           "the best written as a config")
+    plan.add_argument("--gpus", type=int, default=None, help="--search / --calibrate: the GPUs (ranks) to plan for")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                      help="--search: leave out layouts predicted to need more memory per GPU")
+    plan.add_argument("--calibration", default=None, metavar="FILE",
+                      help="--search: the machine's measured rates (default: H200 figures from bench/RESULTS.md); "
+                           "--calibrate: where to write them")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure matmul rate, host overhead and collective bandwidths on --gpus N local ranks")
+    plan.add_argument("--top", type=int, default=10, help="--search: layouts to print (default 10)")
+    plan.add_argument("--out", default=None, help="--search: where to write the best layout's config "
+                                                  "(default: <config name>.search.toml)")
     score = sub.add_parser("score", help="per-token logprobs, entropy and top-k of a JSONL's conversations")
     score.add_argument("config", help="TOML job config (data.sources: the conversation format)")
     score.add_argument("--data", required=True, help="JSONL of conversations to score (their assistant turns)")
@@ -61,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps}: verify needs at least one step")
     if args.command in ("export", "eval") and extra:
         parser.error(f"unexpected arguments {extra}")
+    if args.command == "plan" and (args.search or args.calibrate):
+        if args.search and args.calibrate:
+            parser.error("--search and --calibrate are separate steps: calibrate first, then pass --calibration FILE")
+        if not args.gpus or args.gpus < 1:
+            parser.error(f"--{'search' if args.search else 'calibrate'} needs --gpus N (N ≥ 1), got {args.gpus}")
+        if args.calibrate:
+            if not args.calibration:
+                parser.error("--calibrate needs --calibration FILE: where to write the measurements")
+            return _calibrate(args.gpus, args.calibration)
     if args.command == "export":
         return _export(args.checkpoint, args.hf)
     if args.command == "eval":
@@ -77,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(config, overrides, world_size)
         if args.command == "plan":
-            return _plan(cfg, args)
+            return _search(config, overrides, cfg, args) if args.search else _plan(cfg, args)
         if not launched and cfg.layout.world_size > 1 and _ranks_on_cpu(cfg, args.command):
             overrides = [*overrides, CPU_RANKS_OVERRIDE]
             cfg = load_config(config, overrides, world_size)  # as the ranks will read it: checked on CPU too
@@ -229,6 +252,47 @@ def _plan(cfg, args) -> int:
     png = draw_plan(topo, args.png or f"{stem}.plan.png")
     print(f"picture: {png}")
     return 0
+
+
+def _search(config: str, overrides: list[str], cfg, args) -> int:
+    from rich.console import Console
+
+    from loom.plan_search.calibration import load_calibration
+    from loom.plan_search.report import (chosen_config_text, default_output, ranking_table, summary_line,
+                                         write_chosen)
+    from loom.plan_search.search import search
+    from loom.plan_search.workload import job_facts
+
+    cal = load_calibration(args.calibration)
+    facts = job_facts(cfg)
+    result = search(config, overrides, cfg, facts, args.gpus, cal, args.gpu_memory, args.top)
+    console = Console(width=max(160, Console().width))
+    modules = [*cfg.model.encoders, "language"]
+    console.print(f"calibration: {cal.device}" + (f" ({args.calibration})" if args.calibration else ""))
+    console.print(summary_line(result))
+    if not result.ranked:
+        limit = f" within --gpu-memory {args.gpu_memory} GiB" if args.gpu_memory else ""
+        raise ConfigError(f"no layout of {config} on {args.gpus} GPUs is accepted by loom{limit}; "
+                          f"{summary_line(result)}")
+    console.print(ranking_table(result, modules, args.gpus))
+    best = result.ranked[0].candidate
+    chosen = load_config(config, [*overrides, *best.overrides()], args.gpus)  # loom's own reading of it, again
+    path = write_chosen(args.out or default_output(args.config), chosen_config_text(config, overrides, best, chosen))
+    console.print(f"best layout written to {path}: loom train {path}")
+    return 0
+
+
+def _calibrate(gpus: int, out: str) -> int:
+    """Measures on `gpus` local ranks (torchrun started here unless this is already a launched rank)."""
+    if "WORLD_SIZE" in os.environ or gpus == 1:
+        from loom.plan_search.calibrate import main as calibrate
+
+        return calibrate(["--out", out])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+           "-m", "loom.plan_search.calibrate", "--out", out]
+    print(f"loom: calibrating on {gpus} local ranks: {' '.join(cmd[2:])}", file=sys.stderr)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
 
 
 def _eval(checkpoint: str, device: str) -> int:

@@ -1,0 +1,129 @@
+"""The cost model of `loom plan --search` on GPUs: the layouts the search proposes for the 2B workload
+(bench/mm_bench.py: Qwen2.5-1.5B-shaped LLM, SigLIP-so400m-shaped ViT, Whisper-shaped audio), predicted against
+measured step time, and the Spearman rank correlation of the two (issue 34's target: ≥ 0.8 over the top 5).
+
+    python -m loom plan --calibrate --gpus 1 --calibration $OUT/cal.json     # optional: H200 defaults else
+    PYTHONPATH=. python bench/plan_validate_gpu.py --gpus 1 --top 5 --gpu-memory 78 --calibration $OUT/cal.json \
+        --out $OUT/plan-gpu.jsonl
+    PYTHONPATH=. python bench/plan_validate_gpu.py --gpus 1 --top 5 --predict-only   # the proposed rows, no GPU
+
+The search runs as `loom plan --search` does (search.py: priced, then accepted by loom's own checks, best first),
+on mm_bench's config and on the samples mm_bench trains on at the measured steps. On one GPU only M and T vary
+(no placement, no split; activation checkpointing and compile are the config's, not searched). Each proposed
+layout is then one `torchrun --nproc-per-node=N bench/mm_bench.py --set …` with the layout's overrides (a
+process per row, as run_mm.sh does): one JSON line per layout, then the Spearman. Eager bf16 (compile off, as
+mm_bench's default config); each row is a start-up plus `--warmup` + `--steps` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from bench.plan_validate import spearman
+
+SEQ = 8192  # tokens per GPU per step that mm_bench packs each replica's samples into
+WARMUP = 2
+
+
+def mm_config_overrides(world: int, per_gpu: int) -> list[str]:
+    """mm_bench.py's config for `--llm 1.5b` on GPUs (its LLM, VIT, AUDIO sizes; bf16; its global batch)."""
+    from bench.mm_bench import AUDIO, LLM, VIT
+
+    return [*LLM, *VIT, *AUDIO, "--data.format=thd", "--train.dtype=bf16",
+            f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000"]
+
+
+def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top: int,
+             gpu_memory_gib: float | None = None) -> tuple[list, object]:
+    """The search's `top` layouts for mm_bench's job on `world` GPUs, priced on the measured steps' samples."""
+    from bench.workload import PackedSteps, Shape
+    from loom.job import load_config
+    from loom.plan_search.calibration import load_calibration
+    from loom.plan_search.cost import Workload
+    from loom.plan_search.search import search
+    from loom.plan_search.workload import JobFacts, module_sizes
+    from loom.train.job_data import job_tokenizer, with_vocabulary
+    from loom.train.job_model import build_job_model, token_counters
+
+    overrides = mm_config_overrides(world, per_gpu)
+    cfg = load_config(None, overrides, world)
+    tok = job_tokenizer(cfg)
+    model = build_job_model(with_vocabulary(cfg, tok), tok)  # on meta: sizes only
+    counters = token_counters(model)
+    packed = PackedSteps(Shape(), world, per_gpu, SEQ)  # mm_bench's own samples, step by step
+    drawn = []
+    for step in range(WARMUP, WARMUP + steps):
+        samples = packed.global_batch(step)
+        drawn.append(Workload(tuple(len(s) for s in samples),
+                              {n: tuple(cnt(i) for s in samples for i in s.items(n)) for n, cnt in counters.items()}))
+    facts = JobFacts(module_sizes(model), tuple(drawn), {"mm_bench samples": Shape().longest})
+    result = search(None, overrides, cfg, facts, world, load_calibration(calibration), gpu_memory_gib, top)
+    return result.ranked, result
+
+
+def measure(overrides: list[str], world: int, per_gpu: int, steps: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "bench/mm_bench.py", "--seq", str(SEQ), "--per-gpu", str(per_gpu), "--steps", str(steps),
+           "--warmup", str(WARMUP)]
+    for o in overrides:
+        cmd += ["--set", o[2:]]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off on the lent machines
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in run.stdout.splitlines() if line.startswith('{"bench": "mm"')]
+    if run.returncode or not lines:
+        return {"error": f"exit {run.returncode}: " + (run.stderr or run.stdout)[-2000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    from loom.plan_search.report import summary_line
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--top", type=int, default=5, help="how many of the search's layouts to measure")
+    p.add_argument("--calibration", default=None, help="default: the H200 figures in plan_search/calibration.py")
+    p.add_argument("--per-gpu", type=int, default=6, help="samples per GPU per step (mm_bench's --per-gpu)")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per row (median), after 2 warm-up steps")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="leave out layouts predicted to need more per GPU (as loom plan --search)")
+    p.add_argument("--predict-only", action="store_true", help="print the proposed layouts; measure nothing")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args()
+    ranked, result = proposed(args.gpus, args.calibration, args.per_gpu, args.steps, args.top, args.gpu_memory)
+    print(summary_line(result), flush=True)
+    if len(ranked) < args.top:
+        print(f"the search proposes {len(ranked)} layouts on {args.gpus} GPUs, fewer than --top {args.top}")
+    done = []
+    for i, r in enumerate(ranked):
+        c, e = r.candidate, r.estimate
+        row = {"bench": "plan_validate_gpu", "gpus": args.gpus, "rank_predicted": i + 1,
+               "layout": " | ".join(f"{n} {c.describe(n)}" for n in c.layouts) + f" M{c.microbatches}"
+                         + (f" T{c.tokens_per_microbatch}" if c.tokens_per_microbatch else ""),
+               "calibration": args.calibration or "H200 defaults", "predicted_step_s": e.step_s,
+               "predicted_tokens_per_s_per_gpu": e.tokens_per_s / args.gpus,
+               "predicted_memory_gib": e.memory_bytes / 2**30,
+               "predicted_terms_ms": {k: round(v * 1e3, 2) for k, v in e.seconds.items()}, "overrides": c.overrides()}
+        if not args.predict_only:
+            got = measure(c.overrides(), args.gpus, args.per_gpu, args.steps)
+            row.update({"measured_step_s": got.get("step_s"), "measured_step_times": got.get("step_times"),
+                        "measured_tokens_per_s_per_gpu": got.get("tokens_per_s_per_gpu"),
+                        "measured_peak_gib": got.get("peak_mem_gib"), "device": got.get("device"),
+                        "torch": got.get("torch"), "error": got.get("error")})
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if row.get("measured_step_s"):
+            done.append(row)
+    if len(done) >= 3:
+        rho = spearman([r["predicted_step_s"] for r in done], [r["measured_step_s"] for r in done])
+        print(f"Spearman (predicted vs measured step time, {len(done)} layouts on {args.gpus} GPUs): {rho:.3f} "
+              f"(target ≥ 0.8)")
+
+
+if __name__ == "__main__":
+    main()
