@@ -106,6 +106,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.95
+    eps: float = 1e-8  # AdamW's ε: larger damps the steps of weights whose gradients are mostly noise (RL)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     dtype: str = choice("fp32", "fp32", "bf16")  # bf16: autocast compute, fp32 master weights
     device: str = choice("auto", "auto", "cpu", "cuda")
@@ -347,6 +348,7 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError("every module is frozen (train.<module>.freeze = true); nothing would train")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must lie in [0, 1]")
+    check_positive({"train.eps": t.eps})
     for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"{key} = {beta} must lie in [0, 1)")

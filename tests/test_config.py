@@ -171,6 +171,7 @@ def test_choice_violations(override, key, value, allowed):
     [
         ("--train.steps=0", "train.steps = 0", "> 0"),
         ("--train.steps=-3", "train.steps = -3", "> 0"),
+        ("--train.eps=0", "train.eps = 0.0", "> 0"),
         ("--train.global_batch_size=0", "train.global_batch_size = 0", "> 0"),
         ("--data.pad_to_multiple=0", "data.pad_to_multiple = 0", "> 0"),
         ("--data.heldout_size=0", "data.heldout_size = 0", "> 0"),
@@ -184,6 +185,16 @@ def test_choice_violations(override, key, value, allowed):
 )
 def test_negative_or_zero(override, key, rule):
     _has_all(_error(override), key, rule)
+
+
+def test_adams_betas_and_eps_reach_the_optimizer():
+    import torch
+
+    from loom.train.optim import build_optimizer
+
+    cfg = load_config(None, ["--train.beta1=0.8", "--train.beta2=0.99", "--train.eps=1e-3"]).train
+    group = build_optimizer(torch.nn.Linear(2, 2), cfg).param_groups[0]
+    assert group["betas"] == (0.8, 0.99) and group["eps"] == 1e-3
 
 
 def test_zero_is_fine_where_documented():

@@ -23,7 +23,7 @@ def build_optimizer(module: nn.Module, cfg: TrainConfig, lr_scale: float = 1.0) 
         {"params": no_decay, "weight_decay": 0.0, "lr_scale": lr_scale},
     ]
     fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step instead of ~10 passes
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
 
 class ModuleOptimizers:
