@@ -142,6 +142,25 @@ def test_a_module_gradient_off_by_a_factor_is_caught_by_the_gradients_alone(worl
         assert q["vision update"] < 1e-2 and q["language gradients"] < FP32.grad
 
 
+def _verify_counting_every_copy(overrides: list[str]) -> list[dict]:
+    """verify with every rank taken as its modules' reporter: each replica's shards count in the sums."""
+    import loom.train.verify as verify
+
+    everyone = frozenset(range(dist.get_world_size()))
+    with _patched(verify, "reporting_ranks", lambda share: dict.fromkeys(share.modules, everyone)):
+        return run_verify(overrides, steps=1)
+
+
+def test_a_replica_counted_twice_is_an_error(worlds):
+    """Ranks compare their own shards with the reference's same elements and sum over the world, so each
+    element must be counted once: under tp2 the norms sit whole on both tp ranks, and counting both copies
+    would double their share of every sum. verify checks the count and stops."""
+    from harness import WorldError
+
+    with pytest.raises(WorldError, match="not counted exactly once.*input_layernorm.weight 256 of 128"):
+        worlds.run(2, _verify_counting_every_copy, ["--layout.language.tp=2"], timeout=300)
+
+
 # ---------------------------------------------------------------- the comparison's arithmetic
 
 

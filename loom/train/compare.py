@@ -1,7 +1,8 @@
 """What `loom verify` compares, and how far apart a layout and the reference may be.
 
 Per step: the mean loss and the global grad norm (before clipping); per module: its gradient norm, its
-full (gathered) gradients before clipping and the optimizer, and its weight *update* (w_after − w_before).
+gradients before clipping and the optimizer, and its weight *update* (w_after − w_before), each rank's shards
+against the same elements of the reference (reference_shards.py), summed over the world.
 Gradients are compared directly because AdamW is blind to a constant factor on a module's gradient and one
 global norm dilutes a small module: an encoder gradient wrong by encoder_dp/llm_dp moves no weight.
 Every difference is relative, and NaN or inf in any compared quantity fails.
@@ -66,15 +67,18 @@ class Agreement:
     ref_sq: float = 0.0  # Σ x_ref²
     diff_sq: float = 0.0  # Σ (x − x_ref)²
 
-    def add(self, x: torch.Tensor, ref: torch.Tensor, twin: bool = False) -> None:
+    def add(self, x: torch.Tensor, ref: torch.Tensor, twin: bool = False, counted: bool = True) -> None:
         """`twin`: a second copy of a reference tensor already added (a tied weight's head copy under pp): its
-        differences count, its norms not a second time."""
+        differences count, its norms not a second time. Not `counted`: a replica of elements another rank
+        adds to the sums — only its maxima count."""
         if ref.numel() == 0:
             return
         x, ref = x.detach().to(ref.device, torch.float32), ref.detach().float()
         d = x - ref
         self.max_diff = worst(self.max_diff, float(d.abs().max()))
         self.max_ref = worst(self.max_ref, float(ref.abs().max()))
+        if not counted:
+            return
         if not twin:
             self.sq += float(x.square().sum())
             self.ref_sq += float(ref.square().sum())

@@ -16,6 +16,7 @@ Then one global grad norm over every module, one clip, one optimizer step — or
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -98,9 +99,7 @@ def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs,
     # every microbatch divides by the normaliser of the *global* batch, known from host data: gradients then
     # add up over microbatches and dp × cp to the reference's
     normaliser = objective.normaliser(inputs)
-    # a new step: blocks replayed as CUDA graphs (train.compile_mode) may reuse the memory of the last step's
-    # graph outputs, all read by now (a counter: nothing else happens without graphs)
-    torch.compiler.cudagraph_mark_step_begin()
+    mark_cuda_graph_step()
     plan.rows.begin(model, inputs.microbatches, train)  # three-phase: the encoders on the whole step
     # the experts' auxiliary losses scale their gradients by the global batch's counts: a token's z-loss as the
     # token loss, a sample's balance term by the global sample count
@@ -109,6 +108,14 @@ def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs,
         loss = plan.runner.run(model, inputs.microbatches, plan.rows, objective, normaliser, plan.run_context, train)
     plan.rows.finish()  # three-phase: the rows' gradients back into the encoders; sends completed
     return loss
+
+
+def mark_cuda_graph_step() -> None:
+    """A new step: blocks replayed as CUDA graphs (train.compile_mode) may reuse the memory of the last step's
+    graph outputs, all read by now. Graphs exist only once inductor has captured some, which imports its graph
+    trees; marking before that would import all of inductor (~4 s of CPU per process) to bump a counter."""
+    if "torch._inductor.cudagraph_trees" in sys.modules:
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: TrainConfig, comms: StepComms,

@@ -30,6 +30,7 @@ from loom.train.inputs import StepInputs, collate
 from loom.train.objective import Objective, make_objective
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.rank_plan import one_process_plan
+from loom.train.reference_shards import held, held_difference, reporting_ranks, shard_pair
 from loom.train.resync import resync_from_reference
 from loom.train.runners import RunContext
 from loom.train.step_data import global_batch, step_inputs
@@ -88,7 +89,8 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     make = objective or functools.partial(make_objective, cfg.train)  # both sides: the one the config names
     out = console or Console(width=170)
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
-    checks, first_notes = [], compare_initial(parameters(model), parameters(reference), share, tied_copy_names(model))
+    twins, reporters = tied_copy_names(model), reporting_ranks(share)
+    checks, first_notes = [], compare_initial(held(model), parameters(reference), share, twins)
     for step in range(steps):
         if step > 0:  # each later step measures the layout alone, not the drift of the steps before it
             resync_from_reference(model, optimizer, reference, ref_optimizer)
@@ -103,12 +105,12 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
             raise ReferenceNotFinite(
                 f"the reference's step {step + 1} is not finite (loss {ref.loss}, grad norm {ref.grad_norm}): "
                 f"there is nothing to verify against; lower train.lr or check the data")
-        before, grads, notes = parameters(model), {}, first_notes if step == 0 else []
-        r = plan.train_step(model, optimizer, mine, cfg, step,
-                            inspect_grads=lambda m: grads.update(compare_gradients(m, ref_grads, notes, share)),
+        before, grads, notes = held(model), {}, first_notes if step == 0 else []
+        compare = functools.partial(compare_gradients, ref_grads=ref_grads, notes=notes, share=share,
+                                    reporters=reporters)
+        r = plan.train_step(model, optimizer, mine, cfg, step, inspect_grads=lambda m: grads.update(compare(m)),
                             objective=make(compile_backend(cfg.train), plan.run_context))
-        updates = compare_updates(before, parameters(model), ref_before, parameters(reference), share,
-                                  tied_copy_names(model))
+        updates = compare_updates(before, held(model), ref_before, parameters(reference), share, reporters, twins)
         notes += compare_router_biases(model, reference)
         checks.append(StepCheck(step + 1, r.loss, ref.loss, r.grad_norm, ref.grad_norm,
                                 {m: ModuleCheck(grads.get(m), updates[m]) for m in updates}, tolerances, notes))
@@ -144,24 +146,28 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def compare_initial(layout: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
                     share: GradNormShare | None, twins: dict[str, str]) -> list[str]:
-    """Failures where the layout's initial weights (its shards put together) are not bitwise the reference's:
-    initialisation must not depend on the layout. One rank per module stage checks; every rank gets all notes."""
-    notes = []
+    """Failures where the layout's initial weights are not bitwise the reference's: initialisation must not
+    depend on the layout. Every rank checks the shards it holds; every rank gets all notes, one per weight."""
+    worst_delta: dict[str, float] = {}
     for name, value in layout.items():
-        module, ref = name.split(".", 1)[0], reference[twins.get(name, name)]
-        if (share is None or module in share.adds) and not torch.equal(value, ref):
-            notes.append(f"{module}: {name} starts from other values than the reference's "
-                         f"(max |Δ| {(value - ref).abs().max().item():.3g})")
-    if share is None:
-        return notes
-    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, notes)
-    return [n for rank_notes in everyone for n in rank_notes]
+        pair = shard_pair(value, reference[twins.get(name, name)], None)
+        if not torch.equal(pair.mine, pair.reference):
+            worst_delta[name] = float((pair.mine - pair.reference).abs().max())
+    if share is not None:
+        everyone: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, worst_delta)
+        worst_delta = {}
+        for rank_deltas in everyone:
+            for name, delta in rank_deltas.items():
+                worst_delta[name] = max(delta, worst_delta.get(name, 0.0))
+    return [f"{name.split('.', 1)[0]}: {name} starts from other values than the reference's (max |Δ| {d:.3g})"
+            for name, d in worst_delta.items()]
 
 
 def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], notes: list[str],
-                      share: GradNormShare | None = None) -> dict[str, Agreement]:
-    """Per module: the layout's whole gradients (gathered over its shards and replicas) against the
+                      share: GradNormShare | None = None,
+                      reporters: dict[str, frozenset[int]] | None = None) -> dict[str, Agreement]:
+    """Per module: the layout's gradients (each rank its shards, summed over the world) against the
     reference's, before clipping. A gradient present on one side only is noted as a failure."""
     out: dict[str, Agreement] = {}
     twins = tied_copy_names(model)
@@ -172,40 +178,43 @@ def compare_gradients(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor]
             notes.append(f"{module}: {name} has a gradient on {side} only")
             continue
         if p.grad is not None:
-            out.setdefault(module, Agreement()).add(_full(p.grad), ref_grads[ref_name], twin=name in twins)
+            pair = shard_pair(p.grad, ref_grads[ref_name], reporters and reporters[module])
+            out.setdefault(module, Agreement()).add(pair.mine, pair.reference, name in twins, pair.counted)
     return _over_world(out, share)
 
 
 def compare_updates(before: dict, after: dict, ref_before: dict, ref_after: dict,
-                    share: GradNormShare | None = None, twins: dict[str, str] | None = None) -> dict[str, Agreement]:
-    """Per module: the step's weight change against the reference's (frozen: both must be zero). A rank holds
-    only its modules' weights, and of a pipelined one only its stages'; every reference weight must be held
-    by exactly one of the ranks that report for their module's stage."""
+                    share: GradNormShare | None = None, reporters: dict[str, frozenset[int]] | None = None,
+                    twins: dict[str, str] | None = None) -> dict[str, Agreement]:
+    """Per module: the step's weight change against the reference's (frozen: both must be zero), each rank
+    comparing the shards it holds. Every element of every reference weight must be counted exactly once over
+    the world: a weight no rank holds, or a replica counted twice, is an error."""
     out: dict[str, Agreement] = {}
-    for name, ref in ref_after.items():
-        module = name.split(".", 1)[0]
-        if share is None or module in share.hosted:
-            agreement = out.setdefault(module, Agreement())
-            if name in after:
-                agreement.add(after[name] - before[name], ref - ref_before[name])
-    for name, ref_name in (twins or {}).items():  # a copy of a shared weight: the reference's one update
-        out["language"].add(after[name] - before[name], ref_after[ref_name] - ref_before[ref_name], twin=True)
+    twins = twins or {}
+    counted = dict.fromkeys(ref_after, 0.0)
+    for name, value in after.items():
+        module, ref_name = name.split(".", 1)[0], twins.get(name, name)
+        pair = shard_pair(held_difference(value, before[name]), ref_after[ref_name] - ref_before[ref_name],
+                          reporters and reporters[module])
+        out.setdefault(module, Agreement()).add(pair.mine, pair.reference, name in twins, pair.counted)
+        if pair.counted and name not in twins:
+            counted[ref_name] += pair.mine.numel()
     if share is not None:
-        held = reduce_values([float(name in after and name.split(".", 1)[0] in share.adds) for name in ref_after],
-                             dist.ReduceOp.SUM, None)
-        wrong = [f"{name} ×{n:.0f}" for name, n in zip(ref_after, held) if n != 1]
-        if wrong:
-            raise RuntimeError(f"verify: weights not held by exactly one reporting rank of their module: {wrong[:5]}")
+        counted = dict(zip(counted, reduce_values(list(counted.values()), dist.ReduceOp.SUM, None)))
+    wrong = [f"{name} {n:.0f} of {ref_after[name].numel()} elements" for name, n in counted.items()
+             if n != ref_after[name].numel()]
+    if wrong:
+        raise RuntimeError(f"verify: weights whose elements are not counted exactly once over the ranks: {wrong[:5]}")
     return _over_world(out, share)
 
 
 def _over_world(agreements: dict[str, Agreement], share: GradNormShare | None) -> dict[str, Agreement]:
-    """Every module's agreement on every rank: the ranks that report for a module's stages (one per stage)
-    add their measures of the tensors they hold; the others add nothing."""
+    """Every module's agreement on every rank: each rank adds the measures of the shards it holds (sums only
+    for the copies it counts), one reduction for all modules."""
     if share is None:
         return agreements
     zero = Agreement()
-    mine = [agreements.get(m, zero) if m in share.adds else zero for m in share.modules]
+    mine = [agreements.get(m, zero) for m in share.modules]
     # NaN → inf before MAX: a reduction may drop NaN, inf still fails
     peaks = reduce_values([x if x == x else math.inf for a in mine for x in (a.max_diff, a.max_ref)],
                           dist.ReduceOp.MAX, None)
