@@ -27,6 +27,9 @@ LAYOUTS = {
     "llm-pp2-1f1b-m2": (3, placed("0-0", "1-2", language_pp=2)),
     "encoders-tp2-llm-pp3xtp2-m4": (8, placed("0-1", "2-7", m=4, tokens=256, vision_tp=2, language_pp=3,
                                               language_tp=2)),
+    # the encoders pipelined on ranks of their own: stage 0 on rank 0, the last (projector, bridge) on rank 1
+    "encoders-pp2-llm-dp2": (4, placed("0-1", "2-3", vision_pp=2, audio_pp=2)),
+    "encoders-pp2-llm-pp2-1f1b": (4, placed("0-1", "2-3", vision_pp=2, audio_pp=2, language_pp=2)),
 }
 
 

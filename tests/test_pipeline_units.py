@@ -22,7 +22,7 @@ from loom.data.spans import TokenSpans
 from loom.models.llm import DecoderLM, LLMConfig
 from loom.parallel.pipeline import (
     MicrobatchData,
-    _balanced_sizes,
+    balanced_sizes,
     head_flops,
     layer_flops,
     split_language,
@@ -98,7 +98,7 @@ def test_balanced_sizes_with_uneven_costs_is_optimal(seed):
     stages = rng.randint(2, min(n, 5))
     costs = [rng.randint(1, 20) for _ in range(n)]
     extra = rng.randint(0, 40)
-    sizes = _balanced_sizes(costs, stages, last_extra=extra)
+    sizes = balanced_sizes(costs, stages, last_extra=extra)
     assert len(sizes) == stages and sum(sizes) == n and min(sizes) >= 1
 
     def worst(bounds):
