@@ -38,14 +38,11 @@ class StageLink:
     def _tag(self, mb: int) -> int:
         return mb * self.count + self.index
 
-    def receive_inputs(self, rows: list[int]) -> list[tuple[torch.Tensor, object]]:
-        """Every microbatch's input from the previous stage (`rows`: each one's row count), all posted now:
-        (the tensor, its receive to wait for) per microbatch."""
-        out = []
-        for mb, n in enumerate(rows):
-            h = self.like.new_empty((n, self.like.shape[-1]))
-            out.append((h, dist.irecv(h, self.prev, self.acts_group, tag=self._tag(mb))))
-        return out
+    def receive_input(self, rows: int, mb: int) -> tuple[torch.Tensor, object]:
+        """Microbatch `mb`'s input from the previous stage (`rows` rows), posted now: the tensor, and the
+        receive to wait for before reading it."""
+        h = self.like.new_empty((rows, self.like.shape[-1]))
+        return h, dist.irecv(h, self.prev, self.acts_group, tag=self._tag(mb))
 
     def send_output(self, h: torch.Tensor, mb: int):
         """Microbatch `mb`'s output of this stage to the next stage."""

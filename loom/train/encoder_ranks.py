@@ -81,10 +81,11 @@ class EncoderRanks:
         n = len(microbatches)
         order = stage_order(self.order, self.last, train, n)
         last_backward = next((i for kind, i in reversed(order) if kind == "B"), None)
-        # a later stage's inputs: every microbatch's receive posted first (see `stage_order`), encoder by encoder
+        # a later stage's inputs: every microbatch's receive posted first (see `stage_order`), in the order the
+        # stage before sends them (microbatch by microbatch, encoder by encoder)
         received = {} if self.first else {
-            name: self.links[name].receive_inputs([model.encoder(name).rows(mb.item_rows[name]) for mb in microbatches])
-            for name in self.hosted}
+            (i, name): self.links[name].receive_input(model.encoder(name).rows(mb.item_rows[name]), i)
+            for i, mb in enumerate(microbatches) for name in self.hosted}
         outputs: list[dict[str, torch.Tensor] | None] = [None] * n
         inputs: list[dict[str, torch.Tensor] | None] = [None] * n
         sends = []
@@ -99,7 +100,7 @@ class EncoderRanks:
                     outputs[i][name] = model.encoder(name)(items)
                     continue
                 if not self.first:
-                    h, work = received[name][i]
+                    h, work = received.pop((i, name))
                     work.wait()
                     items = inputs[i][name] = h.requires_grad_(train)
                 outputs[i][name] = model.encoder(name)(items, mb.item_rows[name])
