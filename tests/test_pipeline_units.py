@@ -379,7 +379,7 @@ REJECTED = {
                          ["parallel.pp_schedule", "'pipedream'", "1f1b", "zbv", "interleaved_1f1b"]),
     "thd-without-budget": (_pp_overrides("--data.tokens_per_microbatch=0"), 2,
                            ["pp > 1", "data.tokens_per_microbatch"]),
-    "encoder-pp": (_pp_overrides("--layout.vision.pp=2"), 2, ["vision", "pp = 2", "unpipelined"]),
+    "encoder-pp": (_pp_overrides("--layout.vision.pp=2"), 2, ["vision", "pp = 2", "colocated", "unpipelined"]),
     "grad-reduce-unknown": (_pp_overrides("--parallel.pp_grad_reduce=sometimes"), 2,
                             ["parallel.pp_grad_reduce", "'sometimes'", "'step'", "'microbatch'"]),
     "grad-reduce-microbatch-zbv": (_pp_overrides("--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2",
