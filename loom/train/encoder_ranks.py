@@ -9,6 +9,11 @@ point-to-point bridge (bridge/p2p.py); on NCCL a pair's messages queue in launch
 them in this one order (the LLM side: train/rows.py `ReceivedRows`). Forward only, the order is every
 microbatch's forward in turn: the order of a forward-only schedule.
 
+A pipelined encoder (pp > 1, parallel/encoder_pipeline.py) extends the pipeline backwards: its last stage runs
+the program above, taking each microbatch's input from the stage before (parallel/stage_link.py) and sending
+back its gradient; an earlier stage runs every forward, then every backward (`stage_order`). All of a rank's
+encoders sit at the same stage (topology/checks.py), so one order serves them all.
+
 Loss and counts: the LLM ranks divide every microbatch's loss by the step's global normaliser, known on every
 rank from host data, so each encoder gradient is the reference's whatever the ratio of encoder dp to LLM dp.
 """
