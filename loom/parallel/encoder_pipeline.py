@@ -52,7 +52,6 @@ class EncoderStage(nn.Module):
             setattr(enc, name, None)  # another stage's part: no parameters here
         self.encoder = enc
         self.projector = modality.projector if self.is_last else None
-        self.out_dim = enc.out_dim
 
     @property
     def is_first(self) -> bool:
