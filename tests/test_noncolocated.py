@@ -27,6 +27,9 @@ LAYOUTS = {
     "llm-pp2-1f1b-m2": (3, placed("0-0", "1-2", language_pp=2)),
     "encoders-tp2-llm-pp3xtp2-m4": (8, placed("0-1", "2-7", m=4, tokens=256, vision_tp=2, language_pp=3,
                                               language_tp=2)),
+    # the encoders pipelined on ranks of their own: stage 0 on rank 0, the last (projector, bridge) on rank 1
+    "encoders-pp2-llm-dp2": (4, placed("0-1", "2-3", vision_pp=2, audio_pp=2)),
+    "encoders-pp2-llm-pp2-1f1b": (4, placed("0-1", "2-3", vision_pp=2, audio_pp=2, language_pp=2)),
 }
 
 
@@ -81,7 +84,8 @@ def test_noncolocated_run_keeps_hosted_modules_and_saves_all(worlds, tmp_path):
 
 
 def _p2p_log(overrides: list[str]) -> list[tuple]:
-    """One non-colocated training step with every point-to-point call of the bridge recorded on this rank:
+    """One non-colocated training step with every point-to-point call of the bridge (and between a pipelined
+    encoder's stages) recorded on this rank:
     (direction, group, peer, tag, rows) in the order they were posted."""
     import torch.distributed as dist
 
@@ -91,6 +95,7 @@ def _p2p_log(overrides: list[str]) -> list[tuple]:
     cfg = load_config(None, ["--train.global_batch_size=8", "--data.train_size=200"] + overrides,
                       world_size=dist.get_world_size())
     import loom.bridge.p2p as p2p
+    import loom.parallel.stage_link as stage_link
 
     trainer = Trainer(cfg)
     log = []
@@ -107,11 +112,11 @@ def _p2p_log(overrides: list[str]) -> list[tuple]:
             log.append(("recv", "rows" if group is dist.group.WORLD else "grads", peer, tag, tensor.shape[0]))
             return dist.irecv(tensor, peer, group, tag=tag)
 
-    p2p.dist = Recording()
+    p2p.dist = stage_link.dist = Recording()  # the bridge's messages and those between encoder stages
     try:
         trainer.train_step()
     finally:
-        p2p.dist = dist
+        p2p.dist = stage_link.dist = dist
     return log
 
 
@@ -120,6 +125,9 @@ ORDER_CASES = {
     "fan-out-m4": LAYOUTS["encoders-dp1-llm-dp2-fan-out-m4"],
     "llm-pp2-1f1b-m4": (3, placed("0-0", "1-2", m=4, tokens=256, language_pp=2)),
     "llm-pp2-gpipe-m2": (3, placed("0-0", "1-2", language_pp=2) + ["--parallel.pp_schedule=gpipe"]),
+    # encoder stage 0 → its last stage (every activation, then the gradients) → the LLM's 1F1B stage 0
+    "encoders-pp2-llm-pp2-1f1b-m4": (4, placed("0-1", "2-3", m=4, tokens=256, vision_pp=2, audio_pp=2,
+                                               language_pp=2)),
 }
 
 

@@ -22,7 +22,7 @@ from loom.data.spans import TokenSpans
 from loom.models.llm import DecoderLM, LLMConfig
 from loom.parallel.pipeline import (
     MicrobatchData,
-    _balanced_sizes,
+    balanced_sizes,
     head_flops,
     layer_flops,
     split_language,
@@ -98,7 +98,7 @@ def test_balanced_sizes_with_uneven_costs_is_optimal(seed):
     stages = rng.randint(2, min(n, 5))
     costs = [rng.randint(1, 20) for _ in range(n)]
     extra = rng.randint(0, 40)
-    sizes = _balanced_sizes(costs, stages, last_extra=extra)
+    sizes = balanced_sizes(costs, stages, last_extra=extra)
     assert len(sizes) == stages and sum(sizes) == n and min(sizes) >= 1
 
     def worst(bounds):
@@ -379,7 +379,7 @@ REJECTED = {
                          ["parallel.pp_schedule", "'pipedream'", "1f1b", "zbv", "interleaved_1f1b"]),
     "thd-without-budget": (_pp_overrides("--data.tokens_per_microbatch=0"), 2,
                            ["pp > 1", "data.tokens_per_microbatch"]),
-    "encoder-pp": (_pp_overrides("--layout.vision.pp=2"), 2, ["vision", "pp = 2", "unpipelined"]),
+    "encoder-pp": (_pp_overrides("--layout.vision.pp=2"), 2, ["vision", "pp = 2", "colocated", "unpipelined"]),
     "grad-reduce-unknown": (_pp_overrides("--parallel.pp_grad_reduce=sometimes"), 2,
                             ["parallel.pp_grad_reduce", "'sometimes'", "'step'", "'microbatch'"]),
     "grad-reduce-microbatch-zbv": (_pp_overrides("--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2",

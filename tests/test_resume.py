@@ -119,6 +119,25 @@ def test_reshard_pipeline_and_noncolocated_to_one_process_and_back(worlds, tmp_p
     assert _losses(tmp_path / "back") == {}
 
 
+# the encoders on ranks 0-1 (two layers each), the LLM on 2-3: pipelined encoders (pp2) or two replicas (dp2)
+ENCODERS_APART = ["--layout.vision.ranks=0-1", "--layout.audio.ranks=0-1", "--layout.language.ranks=2-3",
+                  "--model.vision.num_layers=2", "--model.audio.num_layers=2", *PIPELINE]
+ENCODERS_PP2 = [*ENCODERS_APART, "--layout.vision.pp=2", "--layout.audio.pp=2"]
+
+
+def test_encoder_pp2_resumes_itself_bitwise_and_reshards_to_pp1_and_back(worlds, tmp_path):
+    """Saved with the encoders pipelined (each stage its layers, under one-process names): resumed under the
+    same layout bit for bit, under encoder pp1 (dp2) to 1e-6; and a pp1 checkpoint resumed under pp2."""
+    straight, same, pp1, back = (tmp_path / name for name in ("straight", "same", "pp1", "back"))
+    worlds.run(4, _train, str(straight), 4, 2, "", ENCODERS_PP2, timeout=300)
+    worlds.run(4, _train, str(same), 4, 0, str(straight / "step-2"), ENCODERS_PP2, timeout=300)
+    _assert_continues(straight, same, [3, 4], exact=True)
+    worlds.run(4, _train, str(pp1), 4, 1, str(straight / "step-2"), ENCODERS_APART, timeout=300)
+    _assert_continues(straight, pp1, [3, 4], exact=False)
+    worlds.run(4, _train, str(back), 4, 0, str(pp1 / "step-3"), ENCODERS_PP2, timeout=300)
+    _assert_continues(pp1, back, [4], exact=False)
+
+
 # ---------------------------------------------------------------- crash safety and bad checkpoints
 
 _KILLED_CHILD = """

@@ -1,10 +1,11 @@
 """The point-to-point bridge: an encoder on its own ranks feeds the LLM's first stage on others (non-colocated).
 
-Microbatch by microbatch, the first tp rank of each encoder replica sends each chunk of its rows (flat
-`[rows, hidden]`, ragged over samples) to every stage-0 rank of the LLM replica whose samples they are (its
-cp and tp peers get the same tensor: one send each, no copy per peer); after the LLM's stage 0 has run that
-microbatch's backward, the rows' gradient, summed over the LLM's cp group (each cp rank inserted only its
-own tokens' rows), goes from the replica's first stage-0 rank to every rank of the producing encoder replica.
+Microbatch by microbatch, the first tp rank of each encoder replica (of its last stage, when the encoder is
+pipelined) sends each chunk of its rows (flat `[rows, hidden]`, ragged over samples) to every stage-0 rank of
+the LLM replica whose samples they are (its cp and tp peers get the same tensor: one send each, no copy per
+peer); after the LLM's stage 0 has run that microbatch's backward, the rows' gradient, summed over the LLM's
+cp group (each cp rank inserted only its own tokens' rows), goes from the replica's first stage-0 rank to
+every rank of the producing encoder replica (stage).
 Routes and row counts come from host data (bridge/routes.py), so no shape is exchanged before a send and
 every receive is posted into its final place.
 
@@ -39,7 +40,9 @@ class P2PBridge:
         self.rows_group, self.grads_group = rows_group, grads_group
         self.index, self.count = index, count
         me = dist.get_rank()
-        self.my_encoder = src.coord(me)["dp"] if src.contains(me) else None
+        # the replica whose rows this rank sends: on its encoder's last pipeline stage only
+        last = src.contains(me) and src.coord(me)["pp"] == src.layout.pp - 1
+        self.my_encoder = src.coord(me)["dp"] if last else None
         self.my_llm = next((d for d, ranks in enumerate(self.consumers) if me in ranks), None)
         self.cp_group = dst.group("cp") if dst.layout.cp > 1 and self.my_llm is not None else None
 

@@ -50,9 +50,10 @@ def step_chunks(counts: list[ReplicaRows]) -> list[Chunk]:
 
 
 def producers(src: Grid) -> list[list[int]]:
-    """Encoder replica e → its ranks (its rows are replicated over tp; an encoder is not pipelined)."""
+    """Encoder replica e → the ranks that hold its rows: its last pipeline stage's (the projector's), over
+    which they are replicated (tp)."""
     s = src.layout
-    return [[src.rank_at(pp=0, dp=e, cp=0, tp=t) for t in range(s.tp)] for e in range(s.dp)]
+    return [[src.rank_at(pp=s.pp - 1, dp=e, cp=0, tp=t) for t in range(s.tp)] for e in range(s.dp)]
 
 
 def consumers(dst: Grid) -> list[list[int]]:

@@ -34,6 +34,10 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
 
 
 class AudioEncoder(nn.Module):
+    # the submodules before the layers (`embed`) and after them (`finish`): a pipeline stage keeps only its own
+    STEM = ("conv1", "conv2")
+    HEAD = ("layer_norm",)
+
     def __init__(self, cfg: AudioConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -66,11 +70,19 @@ class AudioEncoder(nn.Module):
 
     def forward(self, clips: list[torch.Tensor]) -> torch.Tensor:
         """clips: each [num_features, frames] → [sum of subsampled frames, hidden], clip after clip."""
+        return self.finish(run_packed(*self.embed(clips), self.layers, self.row_budget))
+
+    def embed(self, clips: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """The layers' input: every clip subsampled, with positions ([sum of frames, hidden]), and each
+        clip's frame count."""
         dtype = self.conv1.weight.dtype
         frames = _conv_frames([c.to(dtype) for c in clips], self.conv1)
         frames = _conv_frames([F.gelu(x).T for x in frames], self.conv2)
         pieces = [self._add_positions(F.gelu(x)) for x in frames]
-        h = run_packed(torch.cat(pieces), [x.shape[0] for x in pieces], self.layers, self.row_budget)
+        return torch.cat(pieces), [x.shape[0] for x in pieces]
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        """The layers' output → the encoder's."""
         return self.layer_norm(h)
 
     def _add_positions(self, x: torch.Tensor) -> torch.Tensor:

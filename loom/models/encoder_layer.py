@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ class RowBudget:
         return self.items + 1  # and the filler item that rounds the rows up
 
 
-def run_packed(h: torch.Tensor, lengths: list[int], layers: nn.ModuleList, budget: RowBudget | None = None
+def run_packed(h: torch.Tensor, lengths: list[int], layers: Iterable[nn.Module], budget: RowBudget | None = None
                ) -> torch.Tensor:
     """Runs the layers over items packed one after another in `h` ([sum of lengths, dim]); attention stays
     inside each item (one packed segment per image or clip), so no item is padded to the largest."""

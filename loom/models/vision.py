@@ -31,6 +31,10 @@ class VisionConfig:
 
 
 class VisionEncoder(nn.Module):
+    # the submodules before the layers (`embed`) and after them (`finish`): a pipeline stage keeps only its own
+    STEM = ("patch_embedding", "position_embedding")
+    HEAD = ("post_layernorm",)
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -57,6 +61,11 @@ class VisionEncoder(nn.Module):
 
     def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
         """images: each [channels, H, W] → patch features [sum of patches, hidden], image after image."""
+        return self.finish(run_packed(*self.embed(images), self.layers, self.row_budget))
+
+    def embed(self, images: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """The layers' input: every image's patches embedded, with positions ([sum of patches, hidden]), and
+        each image's patch count."""
         p = self.cfg.patch_size
         grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
         conv = self.patch_embedding
@@ -65,7 +74,11 @@ class VisionEncoder(nn.Module):
         x = F.linear(patches.to(conv.weight.dtype), conv.weight.flatten(1), conv.bias)
         # in x's dtype: a grid-sized image's table is fp32 under autocast, and the layers' input dtype must not vary
         x = x + torch.cat([self._positions(h, w) for h, w in grids]).to(x.dtype)
-        return self.post_layernorm(run_packed(x, [h * w for h, w in grids], self.layers, self.row_budget))
+        return x, [h * w for h, w in grids]
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        """The layers' output → the encoder's."""
+        return self.post_layernorm(h)
 
     def _positions(self, h: int, w: int) -> torch.Tensor:
         g = self.cfg.position_grid

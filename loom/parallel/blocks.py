@@ -8,4 +8,5 @@ import torch.nn as nn
 def transformer_blocks(name: str, module: nn.Module) -> list[nn.Module]:
     if name == "language":
         return list(module.layers.values())
-    return list(module.encoder.layers)
+    layers = module.encoder.layers  # a ModuleList, or a pipeline stage's ModuleDict (one-process names as keys)
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)

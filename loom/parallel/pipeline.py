@@ -80,12 +80,14 @@ def split_layers(cfg: LLMConfig, stages: int, sizes: list[int] | None = None) ->
     cheapest (the head's FLOPs added to the last stage; exact by dynamic programming, n·S² is tiny)."""
     n = cfg.num_layers
     if not sizes:
-        sizes = _balanced_sizes([layer_flops(cfg)] * n, stages, last_extra=head_flops(cfg))
+        sizes = balanced_sizes([layer_flops(cfg)] * n, stages, last_extra=head_flops(cfg))
     bounds = [sum(sizes[:s]) for s in range(stages + 1)]
     return [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
 
 
-def _balanced_sizes(costs: list[int], stages: int, last_extra: int) -> list[int]:
+def balanced_sizes(costs: list[int], stages: int, last_extra: int, first_extra: int = 0) -> list[int]:
+    """Layers per stage: the contiguous split of `costs` whose costliest stage (the last with `last_extra`, the
+    first with `first_extra`) is cheapest."""
     n = len(costs)
     prefix = [0]
     for c in costs:
@@ -97,7 +99,7 @@ def _balanced_sizes(costs: list[int], stages: int, last_extra: int) -> list[int]
     best[0][0] = 0
     for s in range(1, stages + 1):
         for i in range(s, n - (stages - s) + 1):
-            extra = last_extra if s == stages else 0
+            extra = (last_extra if s == stages else 0) + (first_extra if s == 1 else 0)
             for j in range(s - 1, i):
                 cost = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
                 if cost < best[s][i]:

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from loom.models.multimodal import ModalityEncoder
+from loom.parallel.encoder_pipeline import EncoderStage
 
 
 def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_dim: int) -> None:
@@ -141,13 +142,16 @@ class KVHeadOfRank(ParallelStyle):
         return distribute_module(module, mesh, replicate, input_fn=to_dtensor, output_fn=own_head)
 
 
-def apply_encoder_tp(encoder: ModalityEncoder, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+def apply_encoder_tp(encoder: ModalityEncoder | EncoderStage, mesh: DeviceMesh, sequence_parallel: bool = False
+                     ) -> None:
+    """`encoder`: a whole ModalityEncoder or one pipeline stage of it (its layers; the projector on the last)."""
     rows = Shard(0) if sequence_parallel else Replicate()  # the packed stream between layers: [rows, hidden]
-    plan = {
-        "projector.linear_1": ColwiseParallel(),
-        "projector.linear_2": RowwiseParallel(),  # output replicated: full LLM-width embeddings
-    }
-    layers = [f"encoder.layers.{i}" for i in range(len(encoder.encoder.layers))]
+    plan = {}
+    if encoder.projector is not None:
+        plan["projector.linear_1"] = ColwiseParallel()
+        plan["projector.linear_2"] = RowwiseParallel()  # output replicated: full LLM-width embeddings
+    stack = encoder.encoder.layers  # a stage's ModuleDict is keyed by the one-process indices
+    layers = [f"encoder.layers.{i}" for i in (stack.keys() if isinstance(stack, nn.ModuleDict) else range(len(stack)))]
     for layer in layers:
         plan.update({
             f"{layer}.self_attn.q_proj": ColwiseParallel(),
@@ -167,7 +171,8 @@ def apply_encoder_tp(encoder: ModalityEncoder, mesh: DeviceMesh, sequence_parall
                 f"{layer}.mlp": PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),)),
             })
     if sequence_parallel:
-        # the stream enters the first layer whole (embeddings are computed on every tp rank) and leaves the last whole
+        # the stream enters the first layer whole (embeddings are computed, or a stage's input received, on every tp
+        # rank) and leaves the last whole
         plan[layers[0]] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(rows, None),
                                              use_local_output=True)
     parallelize_module(encoder, mesh, plan)

@@ -41,6 +41,7 @@ def check_placement(placement: Placement, cfg: JobConfig) -> None:
                     f"'gpipe' only; use one of them, or put the encoders on the LLM's ranks")
         else:
             _check_encoder(lay, cfg)
+            _check_encoder_pipeline(lay, placement, cfg)
         batch, m = cfg.train.global_batch_size, cfg.train.microbatches
         per_item = cfg.train.sequences_per_item
         if name == "language" and not cfg.data.tokens_per_microbatch and batch % (per_item * lay.dp * m):
@@ -154,9 +155,28 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
         )
     _divides(lay, "tp", {"num_heads": enc.num_heads, "hidden_size": enc.hidden_size,
                          "intermediate_size": enc.intermediate_size}, f"model.{name}")
-    if lay.pp > 1:
-        raise ConfigError(f"{name}: pp = {lay.pp}; encoders run unpipelined (pp = 1): give the {name} encoder more "
-                          f"dp instead (with a pipelined LLM the three-phase step runs it on every rank)")
+
+
+def _check_encoder_pipeline(lay: Layout, placement: Placement, cfg: JobConfig) -> None:
+    """An encoder's pp: only on ranks of its own (non-colocated), at most one stage per layer, and the same pp
+    as any encoder sharing its ranks (a rank runs one stage's program for all its encoders)."""
+    if lay.pp == 1:
+        return
+    name, layers = lay.module, getattr(cfg.model, lay.module).num_layers
+    if placement.colocated:
+        raise ConfigError(
+            f"{name}: pp = {lay.pp} with the encoders on the LLM's ranks (colocated): a colocated encoder runs "
+            f"unpipelined — per microbatch, or on the whole step before a pipelined LLM — so give it more dp "
+            f"instead (pp = 1), or put the encoders on ranks of their own (layout.{name}.ranks)")
+    if layers < lay.pp:
+        raise ConfigError(f"{name}: pp = {lay.pp} stages exceed model.{name}.num_layers = {layers}; every stage "
+                          f"needs at least one layer (use pp ≤ {layers})")
+    for other in placement.layouts.values():
+        if other.module not in (name, "language") and other.ranks == lay.ranks and other.pp != lay.pp:
+            raise ConfigError(
+                f"{name}: pp = {lay.pp} but {other.module} on the same ranks {lay.start}-{lay.ranks[-1]} has "
+                f"pp = {other.pp}; encoders sharing ranks need one pp (a rank runs one pipeline stage of each), "
+                f"set layout.{other.module}.pp = {lay.pp} or give it ranks of its own")
 
 
 def _divides(lay: Layout, dim: str, sizes: dict[str, int], prefix: str) -> None:

@@ -39,6 +39,8 @@ class StepBatch:
     llm: Batch | None  # None on a rank that does not host the LLM (non-colocated)
     encoder_items: dict[str, list[torch.Tensor]]  # per encoder, in placeholder order of its part
     rows: dict[str, ReplicaRows] = field(default_factory=dict)  # per encoder (none on one process)
+    # per hosted encoder, its items' rows (host data): what a pipelined encoder's later stages need of them
+    item_rows: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def of(batch: Batch) -> StepBatch:
@@ -76,7 +78,7 @@ class StepInputs:
 
     def map(self, item_fn, batch_fn) -> StepInputs:
         micro = [StepBatch(None if m.llm is None else batch_fn(m.llm),
-                           {k: [item_fn(x) for x in v] for k, v in m.encoder_items.items()}, m.rows)
+                           {k: [item_fn(x) for x in v] for k, v in m.encoder_items.items()}, m.rows, m.item_rows)
                  for m in self.microbatches]
         return dataclasses.replace(self, microbatches=micro)
 
@@ -249,12 +251,13 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     for llm_parts in parts:
         mine = [samples[p] for p in llm_parts[llm_rank]] if llm_rank is not None else []
         real += sum(len(s) for s in mine)
-        items, counts = {}, {}
-        for name in counters:
+        items, counts, item_rows = {}, {}, {}
+        for name, count in counters.items():
             enc_rank, enc_dp = shares[name]
             enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
             if enc_rank is not None:  # only this replica's items are decoded (a user's files: here)
                 items[name] = [x.to(device) for p in enc_parts[enc_rank] for x in _decode(samples, p, name, failed)]
+                item_rows[name] = [count(item) for p in enc_parts[enc_rank] for item in samples[p].items(name)]
             counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])
         # the LLM's part goes without media: the encoders' parts above carry them
@@ -265,7 +268,7 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
             for name in fields - llm.fields.keys():  # a microbatch without samples (an empty bin) carries zeros
                 llm.fields[name] = torch.zeros(llm.labels.shape)
             llm = llm.to(device)
-        micro.append(StepBatch(llm, items, counts))
+        micro.append(StepBatch(llm, items, counts, item_rows))
     stats = {}
     if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed

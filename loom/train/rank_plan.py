@@ -20,6 +20,7 @@ from loom.parallel.compile import compile_backend, compile_blocks
 from loom.parallel.experts import add_expert_groups
 from loom.parallel.materialize import WeightSource, materialize
 from loom.parallel.pipeline import Pipeline
+from loom.parallel.stage_link import StageLink
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
 from loom.topology import Placement, Topology
 from loom.topology.checks import sample_multiple
@@ -34,6 +35,8 @@ from loom.train.runners import LLMRunner, MicrobatchLoop, RunContext, ScheduleRu
 from loom.train.step import ReferenceScores, StepComms, StepResult, train_step
 
 DATA_GROUP = "data: samples found bad when decoding (gloo)"
+# non-colocated: the rows' gradients (bridge/p2p.py) and a pipelined encoder's stage gradients (stage_link.py)
+P2P_GRADIENTS = "bridge: row gradients"
 
 
 @dataclass
@@ -145,7 +148,7 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
         else:
             order = stage0_order(cfg.parallel.pp_schedule, lay.pp * cfg.parallel.pp_virtual_stages,
                                  cfg.train.microbatches)
-            encoder_ranks = EncoderRanks(bridges, list(me.modules), order, like)
+            encoder_ranks = _encoder_ranks(topo, model, bridges, order, like, hidden_dtype)
     runner = None if not hosts_llm else ScheduleRunner(pipeline) if pipeline is not None else MicrobatchLoop()
     plan = RankPlan(topo, comms, shares, sample_multiple(lay, cfg), rows, runner, run_context, encoder_ranks,
                     pipeline, me.modules)
@@ -155,14 +158,27 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
     return plan
 
 
+def _encoder_ranks(topo: Topology, model: MultimodalModel, bridges: dict[str, P2PBridge], order: list,
+                   like: torch.Tensor, hidden_dtype: torch.dtype) -> EncoderRanks:
+    """An encoder rank's program: its encoders' bridges and, for pipelined ones, the links to their neighbouring
+    stages (every encoder on these ranks sits at the same stage: topology/checks.py)."""
+    me, names = topo.role(), model.encoder_names
+    grads_group = topo.registry.named(P2P_GRADIENTS)
+    links = {m: StageLink(topo.grids[m], dist.group.WORLD, grads_group, names.index(m), len(names),
+                          like.new_empty((0, model.encoder(m).encoder.cfg.hidden_size), dtype=hidden_dtype))
+             for m in me.modules if topo.grids[m].layout.pp > 1}
+    stage = me.stage(me.modules[0])
+    return EncoderRanks(bridges, list(me.modules), order, like, links, stage.is_first, stage.is_last)
+
+
 def _bridges(topo: Topology, model: MultimodalModel, cfg: JobConfig) -> dict:
     """Each encoder's bridge to the LLM: point-to-point between disjoint grids, or, colocated, into the
     LLM's first pipeline stage (pp > 1) or into its replicas (pp = 1). Built on every rank, in one order."""
     lang, names = topo.grids["language"], model.encoder_names
     if not topo.placement.colocated:
         # the row gradients travel on a second group over the world (bridge/p2p.py says why)
-        topo.registry.add("bridge: row gradients", [tuple(range(topo.placement.world_size))])
-        grads_group = topo.registry.named("bridge: row gradients")
+        topo.registry.add(P2P_GRADIENTS, [tuple(range(topo.placement.world_size))])
+        grads_group = topo.registry.named(P2P_GRADIENTS)
         return {m: P2PBridge(topo.grids[m], lang, dist.group.WORLD, grads_group, i, len(names))
                 for i, m in enumerate(names)}
     if lang.layout.pp > 1:
