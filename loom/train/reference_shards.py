@@ -1,7 +1,7 @@
 """A layout tensor's part on this rank beside the same part of the reference's whole tensor, for `loom verify`.
 
 Every rank holds the whole one-process reference, so the reference is cut here the way the layout's tensor is
-sharded (`distribute_tensor` with no source rank splits locally) and the comparison needs no gather: one
+sharded (`local_part`'s box, as materialize and resync cut it) and the comparison needs no gather: one
 collective per step for a module's sums instead of one per parameter. A shard replicated along a mesh dim
 (TP-replicated norms, say) is compared on every copy, but counted in sums once.
 """
@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+from loom.parallel.materialize import local_part
 
 if TYPE_CHECKING:
     from loom.train.optim import GradNormShare
@@ -44,11 +46,11 @@ def shard_pair(layout: torch.Tensor, reference: torch.Tensor, reporters: frozens
         return ShardPair(layout.detach(), reference.detach(), reporters is None or dist.get_rank() in reporters)
     if any(p.is_partial() for p in layout.placements):  # a pending sum (a gradient not yet reduced): take it
         layout = layout.redistribute(placements=[Replicate() if p.is_partial() else p for p in layout.placements])
-    mesh, placements = layout.device_mesh, layout.placements
-    part = distribute_tensor(reference.detach(), mesh, placements, src_data_rank=None).to_local()
+    mine, box = local_part(layout.detach())  # the box materialize and resync fill: the same cut
+    mesh = layout.device_mesh
     reporting_mesh = reporters is None or not reporters.isdisjoint(mesh.mesh.flatten().tolist())
-    first = all(mesh.get_local_rank(d) == 0 for d, p in enumerate(placements) if p.is_replicate())
-    return ShardPair(layout.to_local().detach(), part, reporting_mesh and first)
+    first = all(mesh.get_local_rank(d) == 0 for d, p in enumerate(layout.placements) if p.is_replicate())
+    return ShardPair(mine, reference.detach()[box], reporting_mesh and first)
 
 
 def held(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -61,7 +63,9 @@ def held_difference(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     in backward) holds a whole tensor on one side: it is cut like the other side's shard first."""
     if isinstance(after, DTensor) != isinstance(before, DTensor):
         like = after if isinstance(after, DTensor) else before
+        box = local_part(like)[1]
         after, before = (t if isinstance(t, DTensor) else
-                         distribute_tensor(t, like.device_mesh, like.placements, src_data_rank=None)
+                         DTensor.from_local(t[box], like.device_mesh, like.placements, run_check=False,
+                                            shape=like.shape, stride=like.stride())
                          for t in (after, before))
     return after - before
