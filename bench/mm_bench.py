@@ -247,6 +247,31 @@ def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
             rows = int(os.environ.get("PROFILE_ROWS", "40"))  # more rows to sort every kernel into a category
             f.write(events.table(sort_by="self_device_time_total", row_limit=rows) + "\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+        if gpu and os.environ.get("PROFILE_GAPS"):
+            f.write(gap_report(profiler))
+
+
+def gap_report(profiler, top: int = 40) -> str:
+    """Where the device idles between kernels (PROFILE_GAPS=1): every gap between one kernel's end and the next
+    one's start, summed by size and listed largest first with the kernels on either side."""
+    kernels = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+                     for e in profiler.profiler.kineto_results.events()
+                     if e.device_type() == DeviceType.CUDA and not e.is_user_annotation())
+    gaps, end, before = [], None, ""
+    for start, stop, name in kernels:
+        if end is not None and start > end:
+            gaps.append((start - end, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    bins = {"<5us": 5e3, "5-20us": 20e3, "20-100us": 100e3, "100us-1ms": 1e6, ">1ms": float("inf")}
+    sums = dict.fromkeys(bins, 0)
+    for ns, _, _ in gaps:
+        sums[next(k for k, bound in bins.items() if ns < bound)] += ns
+    lines = [f"\ngaps between kernels: {len(gaps)}, {sum(g[0] for g in gaps) / 1e6:.1f} ms in all; by size (ms): "
+             + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sums.items())]
+    for ns, a, b in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"{ns / 1e3:9.1f} us  after {a[:70]}  before {b[:70]}")
+    return "\n".join(lines) + "\n"
 
 
 def write_timeline(profiler, path: str, rank: int, windows: list[tuple[int, int]]) -> None:
