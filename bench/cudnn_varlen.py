@@ -137,7 +137,7 @@ def case(name, heads, kv_heads, dim, causal, lengths, total, segments, max_q) ->
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             out = fn(q, k, v, cu, max_q, causal)
             out.backward(grad)
-            got = [out.detach(), q.grad, k.grad, v.grad]
+            got = [out.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
             if contiguous == "expand":
                 r = heads // kv_heads
                 got[2], got[3] = (t.unflatten(1, (kv_heads, r)).sum(2) for t in got[2:])
@@ -152,8 +152,16 @@ def case(name, heads, kv_heads, dim, causal, lengths, total, segments, max_q) ->
                 row["rel_err_vs_flash"] = [round(rel(a, b), 5) for a, b in zip(got, results["flash"])]
             row["nan"] = any(bool(t.isnan().any()) for t in got)
             if label == "cudnn":
-                row["lse_shape"] = list(torch.ops.aten._cudnn_attention_forward(
-                    q.detach(), k.detach(), v.detach(), None, cu, cu, max_q, max_q, True, 0.0, causal, False)[1].shape)
+                r = torch.ops.aten._cudnn_attention_forward(
+                    q.detach(), k.detach(), v.detach(), None, cu, cu, max_q, max_q, True, 0.0, causal, False)
+                row["outputs"] = [str((tuple(t.shape), tuple(t.stride()), t.dtype)) if torch.is_tensor(t) else str(t)
+                                  for t in r]
+                # dropout 0: do the philox tensors matter to the backward? (dummies instead of the forward's)
+                dummy = torch.zeros((), dtype=torch.int64, device="cuda")
+                dq2 = torch.ops.aten._cudnn_attention_backward(
+                    grad, q.detach(), k.detach(), v.detach(), r[0], r[1], dummy, dummy, BIAS[0], cu, cu, max_q,
+                    max_q, 0.0, causal)[0]
+                row["dummy_rng_dq_rel"] = round(rel(dq2, got[1]), 6)
 
             def step(q=q, k=k, v=v):
                 fn(q, k, v, cu, max_q, causal).backward(grad)
