@@ -19,6 +19,7 @@ data.tokens_per_microbatch=SEQ`, or `--format bshd`, whose rows are fixed to the
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import os
@@ -155,7 +156,8 @@ def main() -> None:
     for step in range(total):
         if step == args.warmup and args.profile:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
-                                              ([torch.profiler.ProfilerActivity.CUDA] if gpu else []))
+                                              ([torch.profiler.ProfilerActivity.CUDA] if gpu else []),
+                                              with_stack=os.environ.get("PROFILE_GAPS") == "stack")
             profiler.__enter__()
         if step == args.warmup and args.sync_debug:
             print_sync_stacks()
@@ -248,7 +250,10 @@ def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
             f.write(events.table(sort_by="self_device_time_total", row_limit=rows) + "\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
         if gpu and os.environ.get("PROFILE_GAPS"):
-            f.write(gap_report(profiler))
+            try:
+                f.write(gap_report(profiler))
+            except Exception as e:  # noqa: BLE001 - a diagnostic: the tables above stand without it
+                f.write(f"gap report failed: {type(e).__name__}: {e}\n")
 
 
 def gap_report(profiler, top: int = 40) -> str:
@@ -269,8 +274,60 @@ def gap_report(profiler, top: int = 40) -> str:
         sums[next(k for k, bound in bins.items() if ns < bound)] += ns
     lines = [f"\ngaps between kernels: {len(gaps)}, {sum(g[0] for g in gaps) / 1e6:.1f} ms in all; by size (ms): "
              + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sums.items())]
-    for ns, a, b in sorted(gaps, reverse=True)[:top]:
+    for ns, a, b, *_ in sorted(gaps, reverse=True)[:top]:
         lines.append(f"{ns / 1e3:9.1f} us  after {a[:70]}  before {b[:70]}")
+    return "\n".join(lines) + "\n" + gap_causes(profiler, gaps_at(profiler))
+
+
+def gaps_at(profiler) -> list[tuple[int, int, int]]:
+    """(gap start, gap end, correlation id of the kernel after it) for every gap of 20 us or more."""
+    kernels = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.correlation_id())
+                     for e in profiler.profiler.kineto_results.events()
+                     if e.device_type() == DeviceType.CUDA and not e.is_user_annotation())
+    out, end = [], None
+    for start, stop, corr in kernels:
+        if end is not None and start - end >= 20_000:
+            out.append((end, start, corr))
+        end = stop if end is None else max(end, stop)
+    return out
+
+
+def gap_causes(profiler, gaps: list[tuple[int, int, int]], top: int = 25) -> str:
+    """What the host was doing while the device idled: for each gap, the innermost host operator (with its
+    Python stack under PROFILE_GAPS=stack) around the launch of the kernel after the gap, when that launch came
+    after the gap began (the host was late); gap time summed by that operator and by the loom frame."""
+    events = list(profiler.profiler.kineto_results.events())
+    host = [e for e in events if e.device_type() == DeviceType.CPU]
+    launch = {e.correlation_id(): e for e in host if e.correlation_id()}
+    ops = sorted((e for e in host if not e.name().startswith("cuda") and e.duration_ns() > 0),
+                 key=lambda e: e.start_ns())
+    starts = [e.start_ns() for e in ops]
+    by_op, by_frame, late, rows = {}, {}, 0, []
+    for g0, g1, corr in sorted(gaps, key=lambda g: g[0] - g[1])[:400]:  # the largest
+        rt = launch.get(corr)
+        if rt is None or rt.start_ns() <= g0:
+            continue  # launched before the gap began: the device waited on something else (an event, a copy)
+        late += g1 - g0
+        t = rt.start_ns()
+        window = ops[bisect.bisect_left(starts, t - 200_000_000):bisect.bisect_right(starts, t)]
+        thread = rt.start_thread_id()
+        around = [e for e in window if t <= e.start_ns() + e.duration_ns() and e.start_thread_id() == thread]
+        inner = min(around, key=lambda e: e.duration_ns()) if around else None
+        name = inner.name() if inner is not None else rt.name()
+        frames = [f for e in around for f in (e.stack() or []) if "loom/" in f or "bench/" in f]
+        frame = frames[0] if frames else "?"
+        by_op[name] = by_op.get(name, 0) + g1 - g0
+        by_frame[frame] = by_frame.get(frame, 0) + g1 - g0
+        outer = [e.name()[:40] for e in sorted(around, key=lambda e: -e.duration_ns())[:4]]
+        rows.append((g1 - g0, name, rt.name(), frame, outer))
+    lines = [f"\nof the 400 largest device gaps, those whose next kernel was launched late: {late / 1e6:.1f} ms"]
+    lines += ["by innermost host operator at the launch (ms):"]
+    lines += [f"  {v / 1e6:8.2f}  {k[:100]}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
+    lines += ["by first loom/bench frame (ms):"]
+    lines += [f"  {v / 1e6:8.2f}  {k[:150]}" for k, v in sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]]
+    lines += ["largest:"]
+    lines += [f"  {ns / 1e3:8.1f} us  {op[:50]} via {rt}  {fr[:110]}  {outer}" for ns, op, rt, fr, outer in
+              sorted(rows, key=lambda r: -r[0])[:top]]
     return "\n".join(lines) + "\n"
 
 

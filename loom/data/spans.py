@@ -54,8 +54,10 @@ class TokenSpans:
         cu[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         cu[len(lengths) + 1 :] = sum(lengths)  # empty segments: attend to nothing, cost one idle block each
         bounds = tuple(cu.tolist())  # still the host tensor: no sync
-        # non_blocking: a plain host-to-device copy would also wait for the stream to drain
-        cu = cu.to(device, non_blocking=True)
+        # from page-locked memory, non_blocking: a copy from pageable memory waits for the stream to drain (the
+        # host then idles the device while it catches up: ~0.5 ms per encoder call mid-step, bench/RESULTS.md)
+        if torch.device(device).type == "cuda":
+            cu = cu.pin_memory().to(device, non_blocking=True)
         real = {n for n in lengths if n}
         return TokenSpans(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend,
                           bounds=bounds, equal_length=real.pop() if len(real) == 1 else 0)
