@@ -102,6 +102,28 @@ def test_from_cu_seqlens_and_from_lengths_agree():
     assert lay2.cu_seqlens.dtype == torch.int32 and lay2.max_seqlen == 5
 
 
+def test_from_lengths_copies_to_cuda_from_page_locked_memory(monkeypatch):
+    """A copy from pageable memory waits for the stream to drain (an encoder call's spans, mid-step): the offsets
+    go to CUDA from pinned memory, non-blocking. CPU stand-ins record the calls."""
+    calls = []
+
+    def pin(t):
+        calls.append("pin")
+        return t
+
+    def to(t, device=None, non_blocking=False, **kw):
+        calls.append(("to", str(device), non_blocking, "pin" in calls))
+        return t
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    TokenSpans.from_lengths([3, 1, 5], device=torch.device("cuda"))
+    assert calls == ["pin", ("to", "cuda", True, True)]
+    calls.clear()
+    TokenSpans.from_lengths([3, 1, 5])  # the host: nothing to pin
+    assert calls == [("to", "cpu", True, False)]
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_padded_matches_naive_per_row(causal, heads):

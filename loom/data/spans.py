@@ -57,7 +57,8 @@ class TokenSpans:
         # from page-locked memory, non_blocking: a copy from pageable memory waits for the stream to drain (the
         # host then idles the device while it catches up: ~0.5 ms per encoder call mid-step, bench/RESULTS.md)
         if torch.device(device).type == "cuda":
-            cu = cu.pin_memory().to(device, non_blocking=True)
+            cu = cu.pin_memory()
+        cu = cu.to(device, non_blocking=True)
         real = {n for n in lengths if n}
         return TokenSpans(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend,
                           bounds=bounds, equal_length=real.pop() if len(real) == 1 else 0)

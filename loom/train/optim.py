@@ -50,7 +50,7 @@ class ModuleOptimizers:
 
     def step(self) -> None:
         for opt in self:
-            opt.step()
+            fused_step(opt)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self:
@@ -64,6 +64,88 @@ class ModuleOptimizers:
             raise ValueError(f"optimizer state for modules {sorted(state)}; this job trains {sorted(self.by_module)}")
         for name, opt in self.by_module.items():
             opt.load_state_dict(state[name])
+
+
+class _FusedLists:
+    """One fused AdamW's tensor lists, per param group, kept between steps: its parameters, moments and step
+    counts (the gradients are read anew each step). Valid while the optimizer keeps the same state and groups
+    (a checkpoint load replaces both)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.groups = opt.param_groups
+        self.lists = []
+        for g in opt.param_groups:
+            st = [opt.state[p] for p in g["params"]]
+            self.lists.append((g, g["params"], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+                               [s["step"] for s in st]))
+
+    def valid(self, opt: torch.optim.Optimizer) -> bool:
+        """The same groups and, per parameter, the same state tensors (a load puts new ones in place)."""
+        state = opt.state
+        return self.groups is opt.param_groups and all(
+            lists[1] is g["params"] and all(state[p]["exp_avg"] is m for p, m in zip(lists[1], lists[2]))
+            for lists, g in zip(self.lists, opt.param_groups))
+
+
+def _lean(opt: torch.optim.Optimizer) -> bool:
+    """An AdamW this path takes: fused, plain (not DTensor) fp32 CUDA parameters of one device, no amsgrad,
+    maximize, differentiable or tensor lr, every parameter's state made (after its first step)."""
+    if type(opt) is not torch.optim.AdamW:
+        return False
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return bool(params) and all(
+        g.get("fused") and not g.get("amsgrad") and not g.get("maximize") and not g.get("differentiable")
+        and not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups) and all(
+        not isinstance(p, DTensor) and p.dtype == torch.float32 and p.device == params[0].device
+        and len(opt.state.get(p, ())) >= 3 for p in params)
+
+
+def _global_step_hooks() -> bool:
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+
+
+def fused_step(opt: torch.optim.Optimizer) -> None:
+    """`opt.step()`, the same kernels and arguments, without AdamW.step's per-parameter Python on every step.
+
+    On one GPU the step's tail is host-bound: the device finishes the backward before the host has walked
+    AdamW's setup over ~1,000 parameters (about 2 ms per module's optimizer, bench/RESULTS.md round 7), and it
+    idles until the fused kernel is queued. Here the lists of parameters, moments and step counts are built once
+    and only the gradients are read each step; then, as torch's fused AdamW does for one device and dtype:
+    step counts + 1, one `_fused_adamw_` per group with the optimizer's `grad_scale` / `found_inf` (the clip and
+    skip of `clip_in_optimizer`), the counts taken back where `found_inf` is set. Anything else (the first step,
+    which makes the state; a missing gradient; DTensors; non-fused): `opt.step()`."""
+    lists = getattr(opt, "_loom_fused_lists", None)
+    if lists is None or not lists.valid(opt):
+        seen = (id(opt.state), len(opt.state))  # checked once per state: not every step of a layout's optimizer
+        if getattr(opt, "_loom_not_lean", None) == seen or not _lean(opt):
+            opt._loom_not_lean = seen
+            opt.step()
+            return
+        lists = opt._loom_fused_lists = _FusedLists(opt)
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _global_step_hooks():
+        opt.step()  # hooks: torch's own step runs them
+        return
+    grad_scale, found_inf = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
+    todo = []
+    for g, params, exp_avgs, exp_avg_sqs, steps in lists.lists:
+        grads = [p.grad for p in params]
+        if any(x is None for x in grads):
+            opt.step()  # torch skips parameters without a gradient: its own path, as before
+            return
+        todo.append((g, params, grads, exp_avgs, exp_avg_sqs, steps))
+    with torch.autograd.profiler.record_function("loom.fused_step"):
+        for g, params, grads, exp_avgs, exp_avg_sqs, steps in todo:
+            if not params:
+                continue
+            beta1, beta2 = g["betas"]
+            torch._foreach_add_(steps, 1)
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=g["lr"],
+                                beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"],
+                                maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            if found_inf is not None:
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 def freeze_modules(model: nn.Module, modules: list[str], cfg: TrainConfig) -> None:

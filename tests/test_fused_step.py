@@ -1,0 +1,91 @@
+"""fused_step (train/optim.py): torch's fused AdamW step without its per-step Python, bit for bit the same (CPU:
+torch's fused AdamW runs there too)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from loom.train.optim import fused_step
+
+
+def _pair(seed: int = 0):
+    torch.manual_seed(seed)
+    a = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    b = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    b.load_state_dict(a.state_dict())
+
+    def opt(m):
+        decay = [p for p in m.parameters() if p.ndim >= 2]
+        rest = [p for p in m.parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=1e-2, betas=(0.8, 0.95), eps=1e-6, fused=True)
+    return a, b, opt(a), opt(b)
+
+
+def _grads(models, step: int) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+    for m in models:
+        m(x).square().sum().backward()
+
+
+def _same(a, b, oa, ob) -> None:
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        sp, sq = oa.state[p], ob.state[q]
+        assert all(torch.equal(sp[k], sq[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fused_step_matches_adamw_step(scaled):
+    a, b, oa, ob = _pair()
+    for step in range(5):
+        _grads((a, b), step)
+        for o in (oa, ob):
+            o.param_groups[0]["lr"] = o.param_groups[1]["lr"] = 1e-2 / (step + 1)  # set_lr each step
+            if scaled:  # clip_in_optimizer's coefficient and skip flag; step 3 is skipped
+                o.grad_scale, o.found_inf = torch.tensor(2.5), torch.tensor(float(step == 3))
+        oa.step()
+        fused_step(ob)
+        oa.zero_grad(), ob.zero_grad()
+        _same(a, b, oa, ob)
+    assert getattr(ob, "_loom_fused_lists", None) is not None  # the lean path ran (after the first step)
+    if scaled:
+        assert float(ob.state[next(b.parameters())]["step"]) == 4  # the skipped step is not counted
+
+
+def test_fused_step_falls_back_and_follows_a_loaded_state():
+    a, b, oa, ob = _pair()
+    for step in range(2):
+        _grads((a, b), step)
+        oa.step(), fused_step(ob)
+        oa.zero_grad(), ob.zero_grad()
+    # a parameter without a gradient: torch skips it; so does fused_step (through torch's own step)
+    _grads((a, b), 7)
+    for m in (a, b):
+        m[1].weight.grad = None
+    oa.step(), fused_step(ob)
+    oa.zero_grad(), ob.zero_grad()
+    _same(a, b, oa, ob)
+    # a checkpoint load replaces the state: the kept lists must not update the old tensors
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))  # a copy, as from a checkpoint (else the states alias)
+    b.load_state_dict(a.state_dict())
+    for step in range(3, 5):
+        _grads((a, b), step)
+        oa.step(), fused_step(ob)
+        oa.zero_grad(), ob.zero_grad()
+    _same(a, b, oa, ob)
+
+
+def test_fused_step_leaves_other_optimizers_to_torch():
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)  # not fused
+    for _ in range(2):
+        m(torch.randn(2, 3)).sum().backward()
+        fused_step(opt)
+        opt.zero_grad()
+    assert getattr(opt, "_loom_fused_lists", None) is None and float(opt.state[m.weight]["step"]) == 2
