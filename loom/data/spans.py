@@ -54,8 +54,8 @@ class TokenSpans:
         cu[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         cu[len(lengths) + 1 :] = sum(lengths)  # empty segments: attend to nothing, cost one idle block each
         bounds = tuple(cu.tolist())  # still the host tensor: no sync
-        # from page-locked memory, non_blocking: a copy from pageable memory waits for the stream to drain (the
-        # host then idles the device while it catches up: ~0.5 ms per encoder call mid-step, bench/RESULTS.md)
+        # from page-locked memory, non_blocking: CUDA may make an asynchronous copy from pageable memory wait for
+        # the stream (an encoder's spans are built mid-step; the host would then idle the device while it catches up)
         if torch.device(device).type == "cuda":
             cu = cu.pin_memory()
         cu = cu.to(device, non_blocking=True)
