@@ -82,10 +82,31 @@ def test_layouts_loom_refuses_are_left_out(tiny):
         validate(CONFIG, [], bad, facts)
 
 
-def test_no_encoder_pipeline_is_proposed():
-    """Encoder pp > 1 (and cp > 1) is out of scope: never enumerated, even before loom's checks."""
-    for c in enumerate_candidates(["vision", "audio", "language"], 8, [0, 1024], 0):
-        assert all(c.layouts[n].pp == 1 and c.layouts[n].cp == 1 for n in ("vision", "audio"))
+def test_encoder_pipelines_are_proposed_on_ranks_of_their_own_only(tiny):
+    """Encoder pp > 1 only where loom builds it (encoders apart from the LLM), never encoder cp; such a
+    candidate loom accepts is priced with the encoder's own bubble."""
+    cfg, facts = tiny
+    candidates = list(enumerate_candidates(["vision", "audio", "language"], 8, [0, 1024], 0))
+    encoders = [(c.layouts[n], c.layouts["language"].start) for c in candidates for n in ("vision", "audio")]
+    assert all(lay.cp == 1 for lay, _ in encoders)
+    assert all(lay.pp == 1 for lay, llm_start in encoders if llm_start == 0)  # colocated
+    piped = next(c for c in enumerate_candidates(["vision", "audio", "language"], 4, [0], 0)
+                 if c.layouts["vision"].pp == 2 and c.layouts["audio"].pp == 2 and c.layouts["language"].start == 2
+                 and c.layouts["language"].dp == 2 and c.microbatches == 2)
+    validate(CONFIG, [], piped, facts)  # loom accepts it
+
+
+def test_an_encoder_pipeline_stretches_by_its_own_bubble():
+    """Encoders on 2 ranks of their own, pp2 against dp2 (the same compute per rank): pp2's compute is
+    stretched by its GPipe bubble, (pp − 1)/(M + pp − 1) = 1/3 at M = 2, and it sends activations."""
+    cal = unit_calibration()
+    enc = replace(SIZES, name="vision", vocab=0, causal=False, out_width=8)
+    sizes, work = {"vision": enc, "language": SIZES}, Workload((10,) * 4, {"vision": (500,) * 4})
+    llm, s = ModuleLayout(dp=1, start=2), Settings(microbatches=2)
+    flat = estimate(sizes, {"vision": ModuleLayout(dp=2), "language": llm}, s, work, cal)
+    piped = estimate(sizes, {"vision": ModuleLayout(pp=2, dp=1), "language": llm}, s, work, cal)
+    assert "pp" not in flat.seconds and piped.seconds["pp"] > 0  # the encoder's side is the slower here
+    assert piped.seconds["compute"] == pytest.approx(flat.seconds["compute"] * 1.5)
 
 
 def test_batches_that_do_not_fit_their_bins_are_left_out(tiny):

@@ -288,8 +288,14 @@ def estimate(sizes: dict[str, ModuleSizes], layouts: dict[str, ModuleLayout], s:
             continue
         items = list(w.encoder_items.get(name, ()))
         runs = 1 if (colocated and lang.pp > 1) else s.microbatches  # the three-phase step: once per step
-        enc_settings = Settings(**{**s.__dict__, "pp_grad_reduce": "step"})
-        encoders.add(module_costs(sizes[name], lay, enc_settings, sum(items), items, runs, cal))
+        # a pipelined encoder's stages before the last run every forward, then every backward (GPipe's order)
+        enc_settings = Settings(**{**s.__dict__, "pp_grad_reduce": "step", "pp_schedule": "gpipe",
+                                   "pp_virtual_stages": 1})
+        costs = module_costs(sizes[name], lay, enc_settings, sum(items), items, runs, cal)
+        for term in ("compute", "elementwise", "tp", "pp", "host"):  # its own bubble, as the LLM's
+            if term in costs.seconds:
+                costs.seconds[term] /= 1 - pipeline_bubble(lay.pp, runs)
+        encoders.add(costs)
         bridge += bridge_s(sizes[name], sum(items), lay, lang, s, colocated, cal)
     if colocated:
         rank = Costs()

@@ -88,9 +88,12 @@ def _llm_layouts(n: int, start: int, experts: int) -> Iterator[ModuleLayout]:
             yield ModuleLayout(tp, cp, pp, dp, ep, start)
 
 
-def _encoder_layouts(n: int, start: int) -> list[ModuleLayout]:
-    """Encoders: tp and dp only (cp and pp > 1 are refused by loom: encoder pipeline stages are not built)."""
-    return [ModuleLayout(tp, 1, 1, n // tp, 1, start) for tp in divisors(n)]
+def _encoder_layouts(n: int, start: int, own_ranks: bool) -> list[ModuleLayout]:
+    """Encoders: tp and dp, and pp on ranks of their own (loom refuses encoder cp, and encoder pp on the LLM's
+    ranks); encoders sharing ranks must agree on pp, which loom's checks leave to the validation."""
+    stages = divisors(n) if own_ranks else [1]
+    return [ModuleLayout(tp, 1, pp, n // (tp * pp), 1, start)
+            for tp, pp in itertools.product(divisors(n), stages) if n % (tp * pp) == 0]
 
 
 def token_budgets(facts: JobFacts, given: int) -> list[int]:
@@ -115,7 +118,7 @@ def enumerate_candidates(modules: list[str], world: int, budgets: list[int], exp
     for k in splits:
         n_llm, llm_start = (world, 0) if k == 0 else (world - k, k)
         n_enc = world if k == 0 else k
-        enc_options = [_encoder_layouts(n_enc, 0) for _ in encoders]
+        enc_options = [_encoder_layouts(n_enc, 0, own_ranks=k > 0) for _ in encoders]
         for lang in _llm_layouts(n_llm, llm_start, experts):
             for enc in itertools.product(*enc_options):
                 layouts = {**dict(zip(encoders, enc)), "language": lang}
