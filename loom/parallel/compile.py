@@ -13,6 +13,8 @@ token counts are rounded up to 64 and the guards that remain (alignment, size ra
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch._functorch.config
 import torch.distributed as dist
@@ -45,6 +47,8 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
         module.encoder.row_budget = budgets[name]
     # CUDA graphs: the LLM's blocks once, an encoder's once per row count it meets (its rows rounded coarsely)
     mode = cfg.train.compile_mode if cfg and cfg.train.compile_mode != "default" else None
+    if mode == "reduce-overhead":  # the step marks graph trees once they are loaded (train/step.py): from step 0
+        importlib.import_module("torch._inductor.cudagraph_trees")
     dynamic = encoder_dynamic(name in budgets, mode)
     for block in transformer_blocks(name, module):
         block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic, mode=mode)

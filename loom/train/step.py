@@ -112,8 +112,9 @@ def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs,
 
 def mark_cuda_graph_step() -> None:
     """A new step: blocks replayed as CUDA graphs (train.compile_mode) may reuse the memory of the last step's
-    graph outputs, all read by now. Graphs exist only once inductor has captured some, which imports its graph
-    trees; marking before that would import all of inductor (~4 s of CPU per process) to bump a counter."""
+    graph outputs, all read by now. Graph trees are loaded where blocks compile for CUDA graphs (before the
+    first step: once any step is marked, every step must be); without them, marking would import all of
+    inductor (~4 s of CPU per process) to bump a counter."""
     if "torch._inductor.cudagraph_trees" in sys.modules:
         torch.compiler.cudagraph_mark_step_begin()
 
