@@ -22,6 +22,7 @@ from loom.models.audio import AudioConfig, AudioEncoder
 from loom.models.hf.load import config_from_folder, load_module
 from loom.models.llm import DecoderLM
 from loom.models.vision import VisionEncoder
+from readme_figures import short_form_band
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_vlm.py"
 ARGS = ["--train", "12", "--heldout", "6", "--seed", "3"]
@@ -144,22 +145,37 @@ def test_transformers_loads_the_folders_with_loom_s_outputs(out):
         assert (ref.flatten(0, 1) - ours).abs().max() <= 1e-5
 
 
-def test_examples_jsonl_toml_trains_on_the_folders_under_its_layout(out, tmp_path, capsys):
-    """CI's short form of `loom train examples/jsonl.toml`: its 4-rank heterogeneous layout, a few steps,
-    the held-out evaluation per task (the lines' "task") and the launcher's generation on the checkpoint."""
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> Path:
+    """README's example as a user makes it (`python examples/make_tiny_vlm.py runs/tiny_vlm`: the defaults), and
+    a held-out file of its first 6 conversations beside the full one (the held-out set changes no training step)."""
+    root = tmp_path_factory.mktemp("example")
+    _script().main([str(root)])
+    held = root / "data" / "heldout.jsonl"
+    (root / "data" / "heldout6.jsonl").write_text("".join(held.read_text().splitlines(keepends=True)[:6]))
+    return root
+
+
+def test_examples_jsonl_toml_trains_on_the_folders_under_its_layout(example, tmp_path, capsys):
+    """CI's short form of `loom train examples/jsonl.toml` (README's: the run's first steps, on the example's own
+    folders): its 4-rank heterogeneous layout, the held-out evaluation per task (the lines' "task"), the
+    launcher's generation on the checkpoint, and the loss at the last step inside README's band."""
     import loom.cli
 
+    steps, low, high = short_form_band("loom train examples/jsonl.toml")
     config = SCRIPT.parent / "jsonl.toml"
-    run = tmp_path / "run"
+    run, out = tmp_path / "run", example
     code = loom.cli.main([
         "train", str(config), f"--model.tokenizer={out / 'tokenizer'}", f"--model.language.hf={out / 'llm'}",
-        f"--model.vision.hf={out / 'vision'}", f"--data.heldout={out / 'data' / 'heldout.jsonl'}",
+        f"--model.vision.hf={out / 'vision'}", f"--data.heldout={out / 'data' / 'heldout6.jsonl'}",
         f'--data.sources=[{{path = "{out / "data" / "train.jsonl"}", weight = 1.0}}]',
-        "--train.steps=2", "--train.global_batch_size=8", f"--run.out_dir={run}", "--run.tensorboard=false",
+        f"--train.steps={steps}", f"--run.out_dir={run}", "--run.tensorboard=false",
         "--run.progress=false", "--train.eval_max_new_tokens=3"])
     assert code == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert low <= train[-1]["loss"] <= high, f"loss at step {steps}: {train[-1]['loss']:.4f}, README: {low}–{high}"
     heldout = [r for r in records if r["kind"] == "heldout"]
     assert len(heldout) == 1 and {"token_accuracy/digits", "token_accuracy/tones"} <= heldout[0].keys()
     printed = capsys.readouterr().out
