@@ -147,12 +147,11 @@ def test_transformers_loads_the_folders_with_loom_s_outputs(out):
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory) -> Path:
-    """README's example as a user makes it (`python examples/make_tiny_vlm.py runs/tiny_vlm`: the defaults), and
-    a held-out file of its first 6 conversations beside the full one (the held-out set changes no training step)."""
+    """README's example as a user makes it (`python examples/make_tiny_vlm.py runs/tiny_vlm`), but for 6 held-out
+    conversations instead of 120: the same first 6 (item i is example i // 3 of task i % 3), and the tokenizer,
+    the weights and train.jsonl do not depend on --heldout, so no training step changes."""
     root = tmp_path_factory.mktemp("example")
-    _script().main([str(root)])
-    held = root / "data" / "heldout.jsonl"
-    (root / "data" / "heldout6.jsonl").write_text("".join(held.read_text().splitlines(keepends=True)[:6]))
+    _script().main([str(root), "--heldout", "6"])
     return root
 
 
@@ -167,7 +166,7 @@ def test_examples_jsonl_toml_trains_on_the_folders_under_its_layout(example, tmp
     run, out = tmp_path / "run", example
     code = loom.cli.main([
         "train", str(config), f"--model.tokenizer={out / 'tokenizer'}", f"--model.language.hf={out / 'llm'}",
-        f"--model.vision.hf={out / 'vision'}", f"--data.heldout={out / 'data' / 'heldout6.jsonl'}",
+        f"--model.vision.hf={out / 'vision'}", f"--data.heldout={out / 'data' / 'heldout.jsonl'}",
         f'--data.sources=[{{path = "{out / "data" / "train.jsonl"}", weight = 1.0}}]',
         f"--train.steps={steps}", f"--run.out_dir={run}", "--run.tensorboard=false",
         "--run.progress=false", "--train.eval_max_new_tokens=3"])
