@@ -22,6 +22,7 @@ import torch.nn as nn
 from loom.models.encoder_layer import run_packed
 from loom.models.multimodal import ModalityEncoder
 from loom.parallel.pipeline import balanced_sizes
+from loom.topology.role import StagePosition
 from loom.train.flops import matmul_params
 
 
@@ -45,21 +46,14 @@ class EncoderStage(nn.Module):
     def __init__(self, modality: ModalityEncoder, layers: list[int], index: int, count: int) -> None:
         super().__init__()
         enc = modality.encoder
-        self.index, self.count = index, count
+        self.position = StagePosition(index, count)
+        first, last = self.position.is_first, self.position.is_last
         self.empty_rows = enc.num_tokens(enc.empty_input())  # rows of the minimal input (shape only: works on meta)
         enc.layers = nn.ModuleDict({str(i): enc.layers[i] for i in layers})  # keeps the one-process names
-        for name in (enc.STEM if not self.is_first else ()) + (enc.HEAD if not self.is_last else ()):
+        for name in (enc.STEM if not first else ()) + (enc.HEAD if not last else ()):
             setattr(enc, name, None)  # another stage's part: no parameters here
         self.encoder = enc
-        self.projector = modality.projector if self.is_last else None
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.count - 1
+        self.projector = modality.projector if last else None
 
     def rows(self, item_rows: list[int]) -> int:
         """The rows of the hidden states between stages for items of `item_rows` rows."""
@@ -67,12 +61,12 @@ class EncoderStage(nn.Module):
 
     def forward(self, x: list[torch.Tensor] | torch.Tensor, item_rows: list[int]) -> torch.Tensor:
         enc = self.encoder
-        if self.is_first:  # no item of this modality: the minimal input, as ModalityEncoder.forward runs it
+        if self.position.is_first:  # no item of this modality: the minimal input, as ModalityEncoder.forward runs it
             h, lengths = enc.embed(x if item_rows else [enc.empty_input()])
         else:
             h, lengths = x, list(item_rows) or [self.empty_rows]
         h = run_packed(h, lengths, enc.layers.values(), enc.row_budget)
-        if not self.is_last:
+        if not self.position.is_last:
             return h
         rows = self.projector(enc.finish(h))
         return rows if item_rows else rows[:0].clone()  # no view: FSDP warns
