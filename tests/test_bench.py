@@ -151,24 +151,20 @@ def test_pipeline_grad_reduce_rows_small_run_on_four_cpu_ranks(tmp_path):
     assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-3  # one optimizer step behind each: the same numbers
 
 
-def test_noncolocated_rows_small_run_on_two_cpu_ranks():
-    """bench/mm_bench.py --small on 2 CPU ranks, colocated and non-colocated (encoders on rank 0, the LLM on
-    rank 1), as bench/run_noncolocated.sh runs them: both train the same model on the same samples (same loss)
-    and report their placement."""
+def test_noncolocated_row_small_runs_on_two_cpu_ranks():
+    """bench/mm_bench.py --small on 2 CPU ranks, non-colocated (encoders on rank 0, the LLM on rank 1), as
+    bench/run_noncolocated.sh runs it: it trains and reports its placement. (That it trains the colocated row's
+    numbers is tests/test_noncolocated.py's parity, not run here a second time.)"""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bench/mm_bench.py",
-            "--small", "--seq", "256", "--per-gpu", "6", "--steps", "1", "--warmup", "1",
-            "--set", "train.microbatches=2"]
-    placed = ["--set", "layout.vision.ranks=0-0", "--set", "layout.audio.ranks=0-0",
-              "--set", "layout.language.ranks=1-1"]
-    rows = []
-    for cmd in (base, base + placed):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        rows.append(json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{"))))
-    assert [r["placement"] for r in rows] == ["colocated", "non-colocated"]
-    assert rows[1]["layouts"]["language"].endswith("on ranks 1-1")
-    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-4 * rows[0]["loss"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bench/mm_bench.py",
+           "--small", "--seq", "256", "--per-gpu", "6", "--steps", "1", "--warmup", "1",
+           "--set", "train.microbatches=2", "--set", "layout.vision.ranks=0-0", "--set", "layout.audio.ranks=0-0",
+           "--set", "layout.language.ranks=1-1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
+    assert row["placement"] == "non-colocated" and row["layouts"]["language"].endswith("on ranks 1-1")
+    assert row["loss"] > 0 and row["tokens_per_s_per_gpu"] > 0
 
 
 def test_overlap_of_busy_intervals_counted_by_hand():
