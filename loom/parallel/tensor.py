@@ -150,8 +150,8 @@ def apply_encoder_tp(encoder: ModalityEncoder | EncoderStage, mesh: DeviceMesh, 
     if encoder.projector is not None:
         plan["projector.linear_1"] = ColwiseParallel()
         plan["projector.linear_2"] = RowwiseParallel()  # output replicated: full LLM-width embeddings
-    stack = encoder.encoder.layers  # a stage's ModuleDict is keyed by the one-process indices
-    layers = [f"encoder.layers.{i}" for i in (stack.keys() if isinstance(stack, nn.ModuleDict) else range(len(stack)))]
+    # a stage's layers keep their one-process indices as names (a ModuleDict), the whole encoder's a ModuleList
+    layers = [f"encoder.layers.{i}" for i, _ in encoder.encoder.layers.named_children()]
     for layer in layers:
         plan.update({
             f"{layer}.self_attn.q_proj": ColwiseParallel(),
