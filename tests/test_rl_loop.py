@@ -90,6 +90,23 @@ def test_two_iterations_train_and_a_resume_continues_bit_for_bit(tmp_path):
         assert torch.equal(want[name], got[name]), name
 
 
+def test_the_loop_resumes_an_sft_run_with_its_optimizer(tmp_path):
+    """README's route from SFT to GRPO: `--run.resume=` an SFT checkpoint carries AdamW's moments and step count
+    (a fresh optimizer's first steps cost the first GRPO runs points at once: bench/RESULTS.md, rounds 3–4)."""
+    from loom.train.trainer import Trainer
+
+    sft = Trainer(load_config("configs/tiny.toml", tiny_job_overrides(tmp_path / "sft", "--train.steps=2")))
+    sft.run()
+    loop = _loop(tmp_path / "rl", f"--run.resume={tmp_path / 'sft' / 'step-2'}")
+    assert loop.iteration == 1 and loop.trainer.step == 2  # K = 2 steps per iteration
+    names = {p: n for n, p in sft.model.named_parameters()}
+    carried = {n: p for n, p in loop.trainer.model.named_parameters()}
+    for param, state in sft.optimizer.state.items():
+        mine = loop.trainer.optimizer.state[carried[names[param]]]
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], mine[key]), (names[param], key)
+
+
 def _first_iterations(root: str, overrides: list[str]) -> list[dict[str, float]]:
     import torch.distributed as dist
 
