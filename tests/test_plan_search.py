@@ -14,7 +14,7 @@ from loom.plan_search.calibration import Calibration, Link, load_calibration, sa
 from loom.plan_search.cost import (ModuleLayout, ModuleSizes, Settings, Workload, activation_bytes_per_token_layer,
                                    collective_s, estimate, fsdp_bytes, module_costs, pipeline_bubble)
 from loom.plan_search.report import chosen_config_text
-from loom.plan_search.search import GIB, enumerate_candidates, search, validate
+from loom.plan_search.search import GIB, MEMORY_HEADROOM, enumerate_candidates, search, validate
 from loom.plan_search.workload import JobFacts, module_sizes
 from loom.topology import Topology
 from loom.train.job_data import job_tokenizer, with_vocabulary
@@ -119,13 +119,18 @@ def test_batches_that_do_not_fit_their_bins_are_left_out(tiny):
 
 
 def test_memory_filter(tiny):
+    """A layout must fit (1 − headroom) of --gpu-memory: the cost model under-predicts peaks by up to 19%."""
     cfg, facts = tiny
     free = search(CONFIG, [], cfg, facts, 4, cpu_calibration(), top=10)
     lowest = min(r.estimate.memory_bytes for r in free.ranked)
-    limit = (lowest + 1) / GIB  # only layouts at the lowest memory of the unlimited top 10, or lower
+    fits = (lowest + 1) / GIB  # only layouts at the lowest memory of the unlimited top 10, or lower
+    limit = fits / (1 - MEMORY_HEADROOM)
     capped = search(CONFIG, [], cfg, facts, 4, cpu_calibration(), gpu_memory_gib=limit, top=10)
     assert capped.over_memory > 0
-    assert capped.ranked and all(r.estimate.memory_bytes <= limit * GIB for r in capped.ranked)
+    assert capped.ranked and all(r.estimate.memory_bytes <= fits * GIB for r in capped.ranked)
+    # the same limit without headroom admits layouts predicted between 80% and 100% of it
+    bare = search(CONFIG, [], cfg, facts, 4, cpu_calibration(), gpu_memory_gib=limit, top=10, headroom=0)
+    assert any(r.estimate.memory_bytes > fits * GIB for r in bare.ranked)
 
 
 def test_written_config_loads_with_the_chosen_layout(tiny, tmp_path):
@@ -283,3 +288,12 @@ def test_spearman_of_known_rankings():
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     # a tie takes the average rank: ranks (1.5, 1.5, 3) against (1, 2, 3) → Pearson of those ranks
     assert spearman([5, 5, 9], [1, 2, 3]) == pytest.approx(1.5 / (1.5 * 2) ** 0.5)  # cov 1.5, variances 1.5, 2
+
+
+def test_the_calibration_summary_names_only_what_was_measured():
+    from loom.plan_search.calibrate import summary
+
+    one_gpu = Calibration("one rank", 7.6e14, 2.9e12, 2.4e-3, 1e-3, True, GIB)
+    assert "per layer split" not in summary(one_gpu) and summary(one_gpu).startswith("760,000.0 GFLOP/s")
+    four = replace(cpu_calibration(), layer_extra_s={"tp": {2: 0.028}})
+    assert summary(four).endswith("per layer split tp g2 +28.0 ms")

@@ -155,6 +155,17 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
     )
 
 
+def summary(cal: Calibration) -> str:
+    """One line of what was measured; the collectives and splits only where there was a group to measure them."""
+    parts = [f"{cal.matmul_flops_per_s / 1e9:,.1f} GFLOP/s", f"host {cal.overhead_per_layer_s * 1e3:.2f} ms per layer"]
+    parts += [f"{k} g{g} {link.bus_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} µs"
+              for k, t in cal.collectives.items() for g, link in t.items()]
+    splits = [f"{k} g{g} +{s * 1e3:.1f} ms" for k, t in cal.layer_extra_s.items() for g, s in t.items()]
+    if splits:
+        parts.append("per layer split " + ", ".join(splits))
+    return ", ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     from loom.distributed import init_distributed, shutdown
 
@@ -169,11 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cal = measure(device, args.quick)
         if dist.get_rank() == 0:
-            print(f"calibration: {save_calibration(cal, args.out)}: {cal.matmul_flops_per_s / 1e9:,.1f} GFLOP/s, "
-                  f"host {cal.overhead_per_layer_s * 1e3:.2f} ms per layer, " + ", ".join(
-                      f"{k} g{g} {link.bus_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} µs"
-                      for k, t in cal.collectives.items() for g, link in t.items()) + ", per layer split " + ", ".join(
-                      f"{k} g{g} +{s * 1e3:.1f} ms" for k, t in cal.layer_extra_s.items() for g, s in t.items()))
+            print(f"calibration: {save_calibration(cal, args.out)}: {summary(cal)}")
     finally:
         shutdown()
     return 0
