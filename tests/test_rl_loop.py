@@ -46,6 +46,13 @@ def test_a_failing_reward_is_named_and_not_fatal(monkeypatch):
         load_reward("user_rewards:missing")
 
 
+@pytest.mark.parametrize("sampled, scored, named", [("0.5", "1.0", "rl.temperature = 0.5 samples"),
+                                                    ("0", "0.5", "greedy: its logprobs are recorded at temperature 1")])
+def test_the_sampling_and_scoring_temperatures_must_agree(tmp_path, sampled, scored, named):
+    with pytest.raises(ConfigError, match=named):
+        _loop(tmp_path, f"--rl.temperature={sampled}", f"--train.grpo.temperature={scored}")
+
+
 def varied_reward(record: dict, completion: str) -> float:
     """A reward an untrained model's completions already vary in (exact match would be 0 everywhere)."""
     return float(len(completion) % 3)

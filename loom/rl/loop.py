@@ -56,8 +56,10 @@ class RLLoop:
             raise ConfigError(f"loom rl trains with GRPO or DPO: set train.objective = 'grpo' or 'dpo' (it is "
                               f"{cfg.train.objective!r})")
         grpo = cfg.train.objective == "grpo"
-        if grpo and r.temperature and r.temperature != cfg.train.grpo.temperature:  # greedy (0) scores at 1
-            raise ConfigError(f"rl.temperature = {r.temperature} samples, train.grpo.temperature = "
+        recorded = r.temperature or 1.0  # greedy sampling (0) records its logprobs at temperature 1
+        if grpo and recorded != cfg.train.grpo.temperature:
+            greedy = " (greedy: its logprobs are recorded at temperature 1)" if not r.temperature else ""
+            raise ConfigError(f"rl.temperature = {r.temperature} samples{greedy}, train.grpo.temperature = "
                               f"{cfg.train.grpo.temperature} scores: the ratio needs them equal")
         self.reward = load_reward(r.reward)  # a missing function is found before any weight is read
         # the learning-rate schedule spans the run's optimizer steps
