@@ -28,6 +28,7 @@ from loom.bridge.p2p import P2PBridge
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.fsdp import set_gradient_sync
 from loom.parallel.stage_link import StageLink
+from loom.topology.role import StagePosition
 from loom.train.inputs import StepBatch
 
 
@@ -68,27 +69,25 @@ def stage_order(llm_order: list[tuple[str, int]], last: bool, train: bool, micro
 class EncoderRanks:
     """What an encoder rank's program needs: its encoders (`hosted`) and their bridges, the LLM stage 0's
     training order, and the rows' dtype, device and width (`like`). Pipelined encoders: `links` to the
-    neighbouring stages of each (every hosted encoder sits at the same stage: checked), `first`/`last`: whether
-    that stage is the first / the last."""
+    neighbouring stages of each, and the stage they sit at (every hosted encoder at the same one: checked)."""
 
     bridges: dict[str, P2PBridge]
     hosted: list[str]
     order: list[tuple[str, int]]
     like: torch.Tensor
     links: dict[str, StageLink] = field(default_factory=dict)
-    first: bool = True
-    last: bool = True
+    stage: StagePosition = StagePosition(0, 1)  # not pipelined: the only stage
 
     def run(self, model: MultimodalModel, microbatches: list[StepBatch], train: bool) -> None:
         """Every microbatch's forward (and, training, backward) in this stage's order (`stage_order`): the last
         stage sends rows to the LLM and takes their gradients back, an earlier one sends its hidden states to
         the next stage and takes theirs back; a later stage passes its inputs' gradients back."""
-        n = len(microbatches)
-        order = stage_order(self.order, self.last, train, n)
+        n, first, last = len(microbatches), self.stage.is_first, self.stage.is_last
+        order = stage_order(self.order, last, train, n)
         last_backward = next((i for kind, i in reversed(order) if kind == "B"), None)
         # a later stage's inputs: every microbatch's receive posted first (see `stage_order`), in the order the
         # stage before sends them (microbatch by microbatch, encoder by encoder)
-        received = {} if self.first else {
+        received = {} if first else {
             (i, name): self.links[name].receive_input(model.encoder(name).rows(mb.item_rows[name]), i)
             for i, mb in enumerate(microbatches) for name in self.hosted}
         outputs: list[dict[str, torch.Tensor] | None] = [None] * n
@@ -104,7 +103,7 @@ class EncoderRanks:
                 if name not in self.links:  # not pipelined: the whole encoder
                     outputs[i][name] = model.encoder(name)(items)
                     continue
-                if not self.first:
+                if not first:
                     h, work = received.pop((i, name))
                     work.wait()
                     items = inputs[i][name] = h.requires_grad_(train)
@@ -113,14 +112,14 @@ class EncoderRanks:
         def send(i: int) -> None:
             for name in self.hosted:
                 out = outputs[i][name].detach()
-                if self.last:
+                if last:
                     sends.extend(self.bridges[name].send_rows(out, microbatches[i].rows[name], i))
                 else:
                     sends.append(self.links[name].send_output(out, i))
 
         def backward(i: int) -> None:
             mb = microbatches[i]
-            grads = [self.bridges[name].receive_grads(mb.rows[name], i, self.like) if self.last else
+            grads = [self.bridges[name].receive_grads(mb.rows[name], i, self.like) if last else
                      self.links[name].receive_output_grad(outputs[i][name].shape[0], i) for name in self.hosted]
             set_gradient_sync(model, i == last_backward)  # FSDP reduces once, after the step's last backward
             outs, outputs[i] = outputs[i], None
@@ -135,7 +134,7 @@ class EncoderRanks:
                 send(i)
                 if not train:
                     outputs[i] = inputs[i] = None
-                if self.last:
+                if last:
                     forward(i + 1)  # ahead: ready when the LLM asks for it
             else:
                 backward(i)

@@ -167,8 +167,7 @@ def _encoder_ranks(topo: Topology, model: MultimodalModel, bridges: dict[str, P2
     links = {m: StageLink(topo.grids[m], dist.group.WORLD, grads_group, names.index(m), len(names),
                           like.new_empty((0, model.encoder(m).encoder.cfg.hidden_size), dtype=hidden_dtype))
              for m in me.modules if topo.grids[m].layout.pp > 1}
-    stage = me.stage(me.modules[0])
-    return EncoderRanks(bridges, list(me.modules), order, like, links, stage.is_first, stage.is_last)
+    return EncoderRanks(bridges, list(me.modules), order, like, links, me.stage(me.modules[0]))
 
 
 def _bridges(topo: Topology, model: MultimodalModel, cfg: JobConfig) -> dict:
