@@ -9,7 +9,7 @@ from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
 
 from loom.job import load_config
 from loom.data.batch import IGNORE_INDEX, supervised_count
-from loom.train.inputs import balanced_runs, collate, plan_inputs, split_encoder
+from loom.train.inputs import Share, balanced_runs, collate, plan_inputs, split_encoder
 
 
 def _cfg(*extra: str):
@@ -76,6 +76,19 @@ def test_bridge_row_counts_agree_on_both_sides(batch16, tiny_model, tok):
             for p, share in zip(plans, shares):
                 held = sum(tiny_model.encoder(name).num_tokens(x) for x in p.microbatches[k].encoder_items[name])
                 assert held == counts.encoder[share[name][0]]
+
+
+def test_a_later_encoder_stage_decodes_no_media(batch16, tiny_model, tok):
+    """A pipelined encoder's later stage takes hidden states from the stage before: its rank gets the same rows
+    per item (the stage link's shapes) and counts, and no decoded images or clips."""
+    cfg = _cfg("--train.microbatches=2", "--train.global_batch_size=16")
+    first, later = _plans(batch16, cfg, tok, tiny_model,
+                          [{"language": (0, 1), name: Share(0, 1, reads), "audio": (0, 1)} for name, reads in
+                           (("vision", True), ("vision", False))])
+    for a, b in zip(first.microbatches, later.microbatches):
+        assert a.encoder_items["vision"] and b.encoder_items["vision"] == []
+        assert a.item_rows == b.item_rows and a.rows == b.rows
+        assert len(a.encoder_items["audio"]) == len(b.encoder_items["audio"])  # the other encoder reads its own
 
 
 def test_a_sample_longer_than_the_budget_names_its_index(batch16, tiny_model, tok):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,16 @@ class StepBatch:
     def of(batch: Batch) -> StepBatch:
         """Every module reads the same samples (one process): the batch's own items."""
         return StepBatch(batch, batch.modality_inputs)
+
+
+class Share(NamedTuple):
+    """A rank's part of one module's data: its replica (None where the rank does not host the module: no items,
+    the row counts only), the module's replicas, and whether the rank's stage reads the module's raw inputs (a
+    pipelined encoder's later stages take hidden states from the stage before: their media are not decoded)."""
+
+    dp_rank: int | None
+    dp_size: int
+    reads_inputs: bool = True
 
 
 @dataclass
@@ -234,14 +245,14 @@ def balanced_runs(positions: list[int], rows: list[int], k: int) -> list[list[in
 
 
 def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: Vocabulary,
-                counters: dict[str, TokenCounter], shares: dict[str, tuple[int, int]], multiple: int,
+                counters: dict[str, TokenCounter], shares: dict[str, Share], multiple: int,
                 device: torch.device) -> StepInputs:
-    """This rank's microbatches of global batch `samples`; `shares`: module → (its dp rank, its dp size); the dp
-    rank is None for a module this rank does not host (non-colocated): it gets no items (no LLM batch), but
-    the row counts, which the bridges need on both sides."""
+    """This rank's microbatches of global batch `samples`; `shares`: module → `Share` (a plain (dp rank, dp size)
+    reads its inputs); the dp rank is None for a module this rank does not host (non-colocated): it gets no items
+    (no LLM batch), but the row counts, which the bridges need on both sides."""
     rows = {n: [sum(c(item) for item in s.items(n)) for s in samples] for n, c in counters.items()}
     tokens = [round_up(len(s), multiple) for s in samples]
-    llm_rank, llm_dp = shares["language"]
+    llm_rank, llm_dp, _ = Share(*shares["language"])
     parts = split_llm(tokens, rows, llm_dp, cfg, indices)
     length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
@@ -253,10 +264,11 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
         real += sum(len(s) for s in mine)
         items, counts, item_rows = {}, {}, {}
         for name, count in counters.items():
-            enc_rank, enc_dp = shares[name]
+            enc_rank, enc_dp, reads_inputs = Share(*shares[name])
             enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
             if enc_rank is not None:  # only this replica's items are decoded (a user's files: here)
-                items[name] = [x.to(device) for p in enc_parts[enc_rank] for x in _decode(samples, p, name, failed)]
+                items[name] = [x.to(device) for p in enc_parts[enc_rank] for x in _decode(samples, p, name, failed)
+                               ] if reads_inputs else []
                 item_rows[name] = [count(item) for p in enc_parts[enc_rank] for item in samples[p].items(name)]
             counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])

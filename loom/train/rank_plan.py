@@ -26,7 +26,7 @@ from loom.topology import Placement, Topology
 from loom.topology.checks import sample_multiple
 from loom.train.encoder_ranks import EncoderRanks, stage0_order
 from loom.train.expert_load import expert_load
-from loom.train.inputs import StepInputs
+from loom.train.inputs import Share, StepInputs
 from loom.train.job_model import initial_weights
 from loom.train.objective import Objective, make_objective
 from loom.train.optim import GradNormShare
@@ -46,7 +46,7 @@ class RankPlan:
 
     topo: Topology | None
     comms: StepComms
-    shares: dict[str, tuple[int | None, int]]  # module → (dp rank, or None where not hosted; dp size)
+    shares: dict[str, Share]  # module → this rank's replica of its data (train/inputs.py)
     sample_multiple: int  # every sample's tokens are padded to a multiple of this (2·cp, ·tp under SP)
     rows: RowSource | None
     runner: LLMRunner | None
@@ -123,8 +123,8 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
     parallelize(model, topo, cfg, device.type, compile_blocks)
     lang = topo.grids["language"]
     lay, hosts_llm = lang.layout, me.hosts("language")
-    shares = {m: (topo.grids[m].coord(me.rank)["dp"] if me.hosts(m) else None, topo.grids[m].layout.dp)
-              for m in modules}
+    shares = {m: Share(topo.grids[m].coord(me.rank)["dp"], topo.grids[m].layout.dp, me.stage(m).is_first)
+              if me.hosts(m) else Share(None, topo.grids[m].layout.dp) for m in modules}
     hidden_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # FSDP's param dtype
     pipeline = None
     if lay.pp > 1 and hosts_llm:
