@@ -53,15 +53,28 @@ class _GatherTokens(torch.autograd.Function):
         return out, None
 
 
+def zigzag_order(lengths: list[int], size: int) -> torch.Tensor:
+    """Every cp rank's kept global token indices, rank after rank (rank r's are its share, in local order): per
+    sample, chunks r and 2·size−1−r."""
+    n = torch.tensor(lengths, dtype=torch.long)
+    c, starts = n // (2 * size), n.cumsum(0) - n
+    r = torch.arange(size)
+    chunks = torch.stack([r, 2 * size - 1 - r], 1)  # [rank, half]
+    run_starts = starts[None, :, None] + chunks[:, None, :] * c[None, :, None]  # [rank, sample, half]
+    return _ranges(run_starts.reshape(-1), c[None, :, None].expand(size, -1, 2).reshape(-1))
+
+
 def zigzag_indices(lengths: list[int], rank: int, size: int) -> list[int]:
     """Global token indices kept by cp rank `rank`: per sample, chunks rank and 2·size−1−rank."""
-    out, start = [], 0
-    for n in lengths:
-        c = n // (2 * size)
-        for chunk in (rank, 2 * size - 1 - rank):
-            out.extend(range(start + chunk * c, start + (chunk + 1) * c))
-        start += n
-    return out
+    local_total = sum(lengths) // size
+    return zigzag_order(lengths, size)[rank * local_total : (rank + 1) * local_total].tolist()
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """arange(starts[i], starts[i] + counts[i]) for every i, concatenated: tensor ops, not a Python loop over
+    tokens (microbatches of tens of thousands of tokens, on every rank, every microbatch)."""
+    offsets = counts.cumsum(0) - counts  # where each range starts in the output
+    return torch.repeat_interleave(starts - offsets, counts) + torch.arange(int(counts.sum()))
 
 
 @dataclass(frozen=True)
@@ -106,14 +119,16 @@ def shard_for_context(
         raise ValueError(f"context parallel needs every sample padded to a multiple of 2·cp = {2 * size}; "
                          f"got sample lengths {lengths} (set data.pad_to_multiple)")
     device = ids.device
-    keep = torch.tensor(zigzag_indices(lengths, rank, size), dtype=torch.long, device=device)
+    order = zigzag_order(lengths, size)
+    local_total = sum(lengths) // size
+    keep = order[rank * local_total : (rank + 1) * local_total].to(device)
     selectors = {}
     for pid in placeholder_ids:
         is_slot = ids == pid
         slot_index = torch.cumsum(is_slot, 0) - 1  # which row of this modality each placeholder takes
         selectors[pid] = slot_index[keep][is_slot[keep]]
     local_lengths = [n // size for n in lengths]
-    shard = _context(group, lengths, rank, size, device)
+    shard = _context(group, lengths, order, rank, size, device)
     counted = batch.spans.counted
     spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard,
                     counted=None if counted is None else counted.reshape(-1)[keep])
@@ -130,28 +145,25 @@ def _as_packed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return batch.input_ids.reshape(-1), batch.labels.reshape(-1), batch.positions.reshape(-1), [seq] * rows
 
 
-def _context(group, lengths: list[int], rank: int, size: int, device) -> ContextShard:
-    local_total = sum(lengths) // size
-    gathered = torch.cat([torch.tensor(zigzag_indices(lengths, r, size), dtype=torch.long) for r in range(size)])
+def _context(group, lengths: list[int], gathered: torch.Tensor, rank: int, size: int, device) -> ContextShard:
+    """`gathered`: zigzag_order's global indices, in the order the cp all-gather puts the tokens."""
     kv_order = torch.empty_like(gathered)
     kv_order[gathered] = torch.arange(gathered.numel())  # global index → position in the gathered rows
-    q_rows, k_rows, q_lens, k_lens = ([], []), ([], []), ([], []), ([], [])
-    local_start = global_start = 0
-    for n in lengths:
-        c = n // (2 * size)
-        for half, chunk in enumerate((rank, 2 * size - 1 - rank)):
-            q_rows[half].extend(range(local_start + half * c, local_start + (half + 1) * c))
-            k_rows[half].extend(range(global_start, global_start + (chunk + 1) * c))
-            q_lens[half].append(c)
-            k_lens[half].append((chunk + 1) * c)
-        local_start += 2 * c
-        global_start += n
-    assert local_start == local_total
-    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    n = torch.tensor(lengths, dtype=torch.long)
+    c = n // (2 * size)  # a chunk's tokens, per sample
+    local_starts, global_starts = 2 * (c.cumsum(0) - c), n.cumsum(0) - n
+    q_rows, k_rows, q_lens, k_lens = [], [], [], []
+    for half, chunk in enumerate((rank, 2 * size - 1 - rank)):
+        # each sample's half-th local chunk, and the keys of its causal prefix: its sample's first chunk+1 chunks
+        q_rows.append(_ranges(local_starts + half * c, c).to(device))
+        k_rows.append(kv_order[_ranges(global_starts, (chunk + 1) * c)].to(device))
+        q_lens.append(c.tolist())
+        k_lens.append(((chunk + 1) * c).tolist())
+    assert int(2 * c.sum()) == sum(lengths) // size
     return ContextShard(
         group,
-        (t(q_rows[0]), t(q_rows[1])),
-        (kv_order[k_rows[0]].to(device), kv_order[k_rows[1]].to(device)),
+        (q_rows[0], q_rows[1]),
+        (k_rows[0], k_rows[1]),
         tuple(TokenSpans.from_lengths(q_lens[h], device) for h in (0, 1)),
         tuple(TokenSpans.from_lengths(k_lens[h], device) for h in (0, 1)),
     )
