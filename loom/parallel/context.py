@@ -66,8 +66,7 @@ def zigzag_order(lengths: list[int], size: int) -> torch.Tensor:
 
 def zigzag_indices(lengths: list[int], rank: int, size: int) -> list[int]:
     """Global token indices kept by cp rank `rank`: per sample, chunks rank and 2·size−1−rank."""
-    local_total = sum(lengths) // size
-    return zigzag_order(lengths, size)[rank * local_total : (rank + 1) * local_total].tolist()
+    return zigzag_order(lengths, size).view(size, -1)[rank].tolist()
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -120,8 +119,7 @@ def shard_for_context(
                          f"got sample lengths {lengths} (set data.pad_to_multiple)")
     device = ids.device
     order = zigzag_order(lengths, size)
-    local_total = sum(lengths) // size
-    keep = order[rank * local_total : (rank + 1) * local_total].to(device)
+    keep = order.view(size, -1)[rank].to(device)  # every rank's share is equal: sum(lengths) / size
     selectors = {}
     for pid in placeholder_ids:
         is_slot = ids == pid

@@ -266,10 +266,12 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
         for name, count in counters.items():
             enc_rank, enc_dp, reads_inputs = Share(*shares[name])
             enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
-            if enc_rank is not None:  # only this replica's items are decoded (a user's files: here)
-                items[name] = [x.to(device) for p in enc_parts[enc_rank] for x in _decode(samples, p, name, failed)
-                               ] if reads_inputs else []
-                item_rows[name] = [count(item) for p in enc_parts[enc_rank] for item in samples[p].items(name)]
+            if enc_rank is not None:
+                replica = enc_parts[enc_rank]  # this encoder replica's samples
+                # only this replica's items are decoded (a user's files: here), and only where its stage reads them
+                decoded = [x for p in replica for x in _decode(samples, p, name, failed)] if reads_inputs else []
+                items[name] = [x.to(device) for x in decoded]
+                item_rows[name] = [count(item) for p in replica for item in samples[p].items(name)]
             counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])
         # the LLM's part goes without media: the encoders' parts above carry them
