@@ -4,20 +4,31 @@
 #   bash bench/run_ab.sh OUT "TREE..." "ROW..."    e.g. "before after" "llm:8192 mm:16384"
 # Rows: llm:T (the LLM alone, one T-token microbatch of 8,192-token documents, cuDNN SDPA, plain compiled, as the
 # torchtitan comparison), mm:T (the 2B multimodal step, CUDA graphs: round 4's best), mmplain:T (plain compiled).
-# EXTRA adds overrides to every row; STEPS: timed steps (default 10 llm, 8 mm).
+# EXTRA adds overrides to every row; STEPS: timed steps (default 10 llm, 8 mm). WARM=ROW first runs that row once
+# from the first tree, unrecorded: a fresh machine's first row runs slow (bench/RESULTS.md, round 8).
 set -u
 out=$1; trees=$2; rows=$3; extra=${EXTRA:-}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-for spec in $rows; do
-  kind=${spec%%:*}; t=${spec#*:}
+
+row_command() {  # the command of row spec $1 with $2 timed steps
+  local kind=${1%%:*} t=${1#*:}
   case $kind in
-    llm) cmd="python bench/llm_bench.py --tokens $t --steps ${STEPS:-10} --warmup 3 --busy 3 --set train.compile=true
+    llm) echo "python bench/llm_bench.py --tokens $t --steps ${2:-10} --warmup 3 --busy 3 --set train.compile=true
            --set model.attention=sdpa" ;;
-    mm) cmd="python bench/mm_bench.py --seq $t --steps ${STEPS:-8} --warmup 3 --busy 3 --set train.compile=true
+    mm) echo "python bench/mm_bench.py --seq $t --steps ${2:-8} --warmup 3 --busy 3 --set train.compile=true
           --set data.tokens_per_microbatch=$t --set train.compile_mode=reduce-overhead" ;;
-    mmplain) cmd="python bench/mm_bench.py --seq $t --steps ${STEPS:-8} --warmup 3 --busy 3 --set train.compile=true
+    mmplain) echo "python bench/mm_bench.py --seq $t --steps ${2:-8} --warmup 3 --busy 3 --set train.compile=true
           --set data.tokens_per_microbatch=$t" ;;
   esac
+}
+
+if [ -n "${WARM:-}" ]; then
+  first=${trees%% *}
+  echo "=== warm-up row $first $WARM $(date +%T)"
+  (cd "$first" && PYTHONPATH=. timeout "${LIMIT:-240}" $(row_command "$WARM" 3) $extra >/dev/null 2>>"$out/err-warm.log")
+fi
+for spec in $rows; do
+  cmd=$(row_command "$spec" "${STEPS:-}")
   for tree in $trees; do
     echo "=== $tree $spec $(date +%T)"
     (cd "$tree" && PYTHONPATH=. timeout "${LIMIT:-240}" $cmd $extra 2>>"$out/err-$tree.log") | grep '^{' \

@@ -43,8 +43,13 @@ def reference_pack(samples, pad_id, multiple_of=1, pack_len=None):
         fill = pack_len - len(ids)
         ids += [pad_id] * fill
         labels += [X] * fill
-        positions += list(range(fill))
-        seg_lengths.append(fill)
+        # the filler: up to 8 segments, each a whole number of multiples, the longer ones first
+        pieces = [0] * min(8, fill // multiple_of)
+        for unit in range(fill // multiple_of):
+            pieces[unit % len(pieces)] += multiple_of
+        for piece in pieces:
+            positions += list(range(piece))
+            seg_lengths.append(piece)
     cu = [0]
     for n in seg_lengths:
         cu.append(cu[-1] + n)
@@ -95,9 +100,20 @@ def test_hand_built_pack_multiple_of_4_with_filler():
     batch = pack_samples(_two_samples(), PAD, multiple_of=4, pack_len=16)
     assert batch.input_ids.tolist() == [11, 12, 13, 14, 21, 22, 23, PAD] + [PAD] * 8
     assert batch.labels.tolist() == [X, 13, 14, X, 22, 23, X, X] + [X] * 8
-    assert batch.positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3] + list(range(8))
-    assert batch.spans.cu_seqlens.tolist() == [0, 4, 8, 16]  # the filler is a segment of its own
-    assert batch.spans.max_seqlen == 8
+    # the filler is segments of its own, a whole multiple each: two of 4 (8 rows cannot make more)
+    assert batch.positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3] + [0, 1, 2, 3] * 2
+    assert batch.spans.cu_seqlens.tolist() == [0, 4, 8, 12, 16]
+    assert batch.spans.max_seqlen == 4
+
+
+def test_a_long_filler_is_cut_into_eight_pieces():
+    """A filler attends to itself only, so its attention costs its length squared for rows nobody reads:
+    cut into 8 near-equal whole multiples, 70 rows of 2s cost 5·8² + 3·10² instead of 70²."""
+    batch = pack_samples(_two_samples(), PAD, multiple_of=2, pack_len=78)
+    assert batch.spans.cu_seqlens.tolist() == [0, 4, 8, 18, 28, 38, 46, 54, 62, 70, 78]
+    assert batch.positions[8:].tolist() == [*range(10)] * 3 + [*range(8)] * 5
+    assert batch.labels[8:].tolist() == [X] * 70 and batch.input_ids[8:].tolist() == [PAD] * 70
+    assert not batch.spans.counted[8:].any()
 
 
 def test_hand_built_pad_samples():
@@ -223,7 +239,7 @@ def test_pack_with_filler(multiple_of):
     ids, labels, positions, cu = reference_pack(samples, PAD, multiple_of, pack_len)
     assert batch.input_ids.numel() == pack_len
     assert batch.spans.cu_seqlens.tolist() == cu
-    assert cu[-2] == total and cu[-1] == pack_len  # filler: its own segment
+    assert cu[-4] == total and cu[-1] == pack_len  # filler: 3 segments of one multiple each
     assert batch.input_ids.tolist() == ids and batch.labels.tolist() == labels
     assert batch.positions.tolist() == positions
     assert (batch.labels[total:] == X).all() and (batch.input_ids[total:] == PAD).all()

@@ -155,8 +155,14 @@ def test_cuda_graphs_for_every_block_with_coarse_encoder_rows(monkeypatch):
     assert (budget.rows, budget.multiple) == (2048, 512) and ROW_MULTIPLE == 64  # T = 2048: quarters of 512
     assert graph_multiple(8192) == 2048 and graph_multiple(100) == 64 and graph_multiple(1000) == 256
     rows = []  # what the layers see: 300 + 500 rows rounded up to 1,024, the filler dropped after them
-    out = run_packed(torch.randn(800, 4), [300, 500], [lambda h, spans: rows.append(h.shape[0]) or h * 2], budget)
-    assert rows == [1024] and out.shape == (800, 4)
+    out = run_packed(torch.randn(800, 4), [300, 500], [lambda h, spans: rows.append((h.shape[0], spans)) or h * 2],
+                     budget)
+    assert [n for n, _ in rows] == [1024] and out.shape == (800, 4)
+    # the 224 filler rows as 8 segments of 28 (its attention 8·28² instead of 224²), then empty ones up to a fixed
+    # count: room for every item of the global batch, and 8 pieces
+    bounds = rows[0][1].bounds
+    assert bounds[:11] == (0, 300, 800, *range(828, 1025, 28)) and set(bounds[11:]) == {1024}
+    assert len(bounds) == cfg.train.global_batch_size + 8 + 1
     small = type(budget)(rows=100, items=4, multiple=1024)  # a filler of 724 rows > 100: still fits
     seen_spans = []
     run_packed(torch.randn(300 // 3, 4), [100], [lambda h, spans: seen_spans.append(spans) or h], small)

@@ -6,7 +6,7 @@ Invariants (each one tested):
 - labels are shifted inside each sample; a sample's last token and all padding predict nothing (-100).
 - each sample is padded to a multiple of `multiple_of` (2·cp, ·tp under sequence parallel), the padding
   belonging to that sample, so every later shard of a sample has equal length.
-- with `pack_len`, a final padding segment fills the pack to exactly that length.
+- with `pack_len`, final padding segments (data/spans.py `filler_lengths`) fill the pack to exactly that length.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from loom.data.batch import IGNORE_INDEX, Batch, field_names, gather_modality_inputs, round_up, shifted_labels
 from loom.data.sample import Sample
-from loom.data.spans import TokenSpans
+from loom.data.spans import TokenSpans, filler_lengths
 
 
 def packed_length(samples: list[Sample], multiple_of: int = 1) -> int:
@@ -55,13 +55,13 @@ def pack_samples(
         if pack_len % multiple_of:
             raise ValueError(f"pack_samples: pack_len={pack_len} is not a multiple of {multiple_of}")
         fill = pack_len - total
-        if fill:  # a segment of its own, so the filler attends only to itself
-            ids += [pad_id] * fill
-            labels += [IGNORE_INDEX] * fill
-            positions += list(range(fill))
-            lengths.append(fill)
-            for values in fields.values():
-                values += [0.0] * fill
+        ids += [pad_id] * fill
+        labels += [IGNORE_INDEX] * fill
+        for values in fields.values():
+            values += [0.0] * fill
+        for piece in filler_lengths(fill, multiple_of):  # segments of their own: the filler attends only to itself
+            positions += list(range(piece))
+            lengths.append(piece)
     counted = torch.zeros(len(ids), dtype=torch.bool)  # each sample's own tokens: not its padding, not filler
     start = 0
     for s, n in zip(samples, lengths):

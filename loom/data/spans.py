@@ -9,6 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
+# Filler rows (what rounds a packed stream up to its fixed size) are cut into up to this many segments: a
+# segment attends to itself, so one filler of F rows costs attention F² (F²/2 causal) for rows nobody reads:
+# up to twice the real work of a step's ViT or LLM (bench/RESULTS.md). Pieces cut it to ~F²/8, and each adds
+# only one (mostly idle) attention block per head to the kernels' grid.
+FILLER_PIECES = 8
+
+
+def filler_lengths(fill: int, multiple: int = 1) -> list[int]:
+    """`fill` filler rows as up to FILLER_PIECES near-equal segments, each a whole number of `multiple`s (a
+    sample's multiple: context parallel shards every segment alike). `fill` is a multiple of `multiple`."""
+    units = fill // multiple
+    pieces = min(FILLER_PIECES, units)
+    return [(units // pieces + (i < units % pieces)) * multiple for i in range(pieces)]
+
 
 @dataclass(frozen=True)
 class TokenSpans:

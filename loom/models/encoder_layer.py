@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from loom.data.spans import TokenSpans
+from loom.data.spans import FILLER_PIECES, TokenSpans, filler_lengths
 from loom.models.attention import attend
 from loom.models.layers import GeluMLP, project
 
@@ -43,8 +43,8 @@ class EncoderLayer(nn.Module):
         return h + self.mlp(self.layer_norm2(h))
 
 
-# the packed stream is rounded up to this many rows with a filler item (attending only to itself, dropped
-# after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
+# the packed stream is rounded up to this many rows with filler rows (segments attending only to themselves,
+# dropped after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
 ROW_MULTIPLE = 64
 # under CUDA graphs (train.compile_mode = "reduce-overhead") each distinct row count is captured once, and once
 # more for every combination with the other encoders' counts (a graph tree's path, the LLM's graphs below it:
@@ -67,7 +67,7 @@ class RowBudget:
 
     @property
     def segments(self) -> int:
-        return self.items + 1  # and the filler item that rounds the rows up
+        return self.items + FILLER_PIECES  # and the filler's pieces that round the rows up
 
 
 def run_packed(h: torch.Tensor, lengths: list[int], layers: Iterable[nn.Module], budget: RowBudget | None = None
@@ -84,8 +84,8 @@ def run_packed(h: torch.Tensor, lengths: list[int], layers: Iterable[nn.Module],
     fill = -rows % (budget.multiple if budget is not None else ROW_MULTIPLE)
     if fill:
         h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
-        lengths = [*lengths, fill]
-    # the longest segment: an item (≤ rows) or the filler (< multiple, which may exceed a small budget's rows)
+        lengths = [*lengths, *filler_lengths(fill)]
+    # the longest segment: an item (≤ rows) or a filler piece (< multiple, which may exceed a small budget's rows)
     spans = TokenSpans.from_lengths(lengths, device=h.device, segments=budget.segments if fits else 0,
                                       max_seqlen=max(budget.rows, budget.multiple) if fits else 0)
     for layer in layers:

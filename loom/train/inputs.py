@@ -28,7 +28,7 @@ from loom.data.packing import pack_samples, packed_length
 from loom.data.conversations import BadSample
 from loom.data.sample import Sample, decoded
 from loom.data.tokenizer import Vocabulary
-from loom.data.spans import TokenSpans
+from loom.data.spans import FILLER_PIECES, TokenSpans
 
 COMPILED_TOKEN_MULTIPLE = 64
 
@@ -106,13 +106,13 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: in
     step = math.lcm(multiple, COMPILED_TOKEN_MULTIPLE) if cfg.train.compile else multiple
     if d.format != "thd":
         return pad_samples(samples, tok.pad_id, step, backend=backend, length=length or 0, rows=rows)
-    # a share without samples (fewer samples than replicas: RL's rollouts) is one filler segment, not 0 tokens
+    # a share without samples (fewer samples than replicas: RL's rollouts) is filler alone, not 0 tokens
     batch = pack_samples(samples, tok.pad_id, multiple,
                          length or max(round_up(packed_length(samples, multiple), step), step), backend=backend)
     if length and cfg.train.compile:
         # fixed shapes, so a compiled block never recompiles: cu_seqlens of a fixed length (at most one segment
-        # per sample of the global batch, plus the filler; each holds ≥ `multiple` tokens) and max_seqlen = T
-        segments = min(cfg.train.global_batch_size + 1, length // multiple)
+        # per sample of the global batch, plus the filler's; each holds ≥ `multiple` tokens) and max_seqlen = T
+        segments = min(cfg.train.global_batch_size + FILLER_PIECES, length // multiple)
         batch.spans = replace(TokenSpans.from_lengths(batch.spans.cu_seqlens.diff().tolist(), backend=backend,
                                                         segments=segments, max_seqlen=length),
                               counted=batch.spans.counted)
