@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 # Filler rows (what rounds a packed stream up to its fixed size) are cut into up to this many segments: a
-# segment attends to itself, so one filler of F rows costs attention F² (F²/2 causal) for rows nobody reads:
-# up to twice the real work of a step's ViT or LLM (bench/RESULTS.md). Pieces cut it to ~F²/8, and each adds
-# only one (mostly idle) attention block per head to the kernels' grid.
+# segment attends to itself, so one filler of F rows costs attention F² (F²/2 causal) for rows nobody reads,
+# as much as the real work again at the 2B benchmark's fill. Pieces cut it to ~F²/8 (the step: 1–1.5% at 16K
+# tokens, bench/RESULTS.md); each adds only an empty block per head to the attention kernels' grid.
 FILLER_PIECES = 8
 
 
