@@ -11,6 +11,8 @@ from loom.data.spans import TokenSpans
 
 IGNORE_INDEX = -100
 MODALITIES = ("vision", "audio")
+# target rows are rounded up to this (tensor-core friendly; a compiled loss sees few shapes)
+TARGET_MULTIPLE = 64
 
 
 @dataclass
@@ -25,6 +27,8 @@ class Batch:
     host_ids: torch.Tensor | None = None  # input_ids as they were on the host before .to(device)
     # per-token fields shaped like `labels` (Sample.token_fields): moved, packed and sharded without being named
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the rows whose logits an objective reads (`target_rows`): the LLM's head runs on these alone; None: all
+    targets: torch.Tensor | None = None
 
     @property
     def num_supervised(self) -> int:
@@ -34,6 +38,20 @@ class Batch:
         """Occurrences of a token id, read from the host copy when there is one (no device sync)."""
         ids = self.input_ids if self.host_ids is None else self.host_ids
         return int((ids == token_id).sum())
+
+    @property
+    def sequences(self) -> int:
+        """Samples (and filler segments) of the batch, read from its spans: the same on a targets view."""
+        return self.spans.cu_seqlens.numel() - 1 if self.spans.packed else self.spans.pad_mask.shape[0]
+
+    def at_targets(self) -> Batch:
+        """The batch at its target rows, flattened: labels, positions and fields as the objective reads them
+        beside the head's logits of those rows (spans kept: the sample count). Itself without targets."""
+        if self.targets is None:
+            return self
+        at = lambda t: t.reshape(-1).index_select(0, self.targets)  # noqa: E731
+        return Batch(at(self.input_ids), at(self.labels), at(self.positions), self.spans,
+                     fields={k: at(t) for k, t in self.fields.items()})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -51,7 +69,24 @@ class Batch:
         return Batch(fn(self.input_ids), fn(self.labels), fn(self.positions), spans,
                      {k: [fn(t) for t in v] for k, v in self.modality_inputs.items()},
                      self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids,
-                     {k: fn(t) for k, t in self.fields.items()})
+                     {k: fn(t) for k, t in self.fields.items()}, None if self.targets is None else fn(self.targets))
+
+
+def target_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Where the flattened labels are targets, rounded up to TARGET_MULTIPLE (at least one multiple) with the
+    first row that is not: the head computes logits only there (an SFT step's prompts, images and clips have
+    none to read), and the extra rows' ignored labels add nothing. Computed on the host, so no step waits."""
+    flat = labels.reshape(-1)
+    rows = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    if not flat.numel():  # a replica without samples this step
+        return rows
+    extra = max(TARGET_MULTIPLE, round_up(rows.numel(), TARGET_MULTIPLE)) - rows.numel()
+    if extra:
+        ignored = (flat == IGNORE_INDEX).nonzero()
+        if not ignored.numel():  # every sample's last token predicts nothing: there is always one
+            raise ValueError("target_rows: labels without an ignored position")
+        rows = torch.cat([rows, ignored[0].expand(extra)])
+    return rows
 
 
 def sequence_index(batch: Batch) -> torch.Tensor:
@@ -128,4 +163,5 @@ def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backen
     counted = mask.clone()
     counted[len(samples):] = False  # a filler row's token marked real for attention is not a sample's
     spans = replace(TokenSpans.from_pad_mask(mask, backend), counted=counted)
-    return Batch(ids, labels, positions, spans, gather_modality_inputs(samples), fields=fields)
+    return Batch(ids, labels, positions, spans, gather_modality_inputs(samples), fields=fields,
+                 targets=target_rows(labels))

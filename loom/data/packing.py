@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from loom.data.batch import IGNORE_INDEX, Batch, field_names, gather_modality_inputs, round_up, shifted_labels
+from loom.data.batch import (IGNORE_INDEX, Batch, field_names, gather_modality_inputs, round_up, shifted_labels,
+                             target_rows)
 from loom.data.sample import Sample
 from loom.data.spans import TokenSpans, filler_lengths
 
@@ -67,11 +68,13 @@ def pack_samples(
     for s, n in zip(samples, lengths):
         counted[start : start + len(s)] = True
         start += n
+    label_tensor = torch.tensor(labels, dtype=torch.long)
     return Batch(
         torch.tensor(ids, dtype=torch.long),
-        torch.tensor(labels, dtype=torch.long),
+        label_tensor,
         torch.tensor(positions, dtype=torch.long),
         replace(TokenSpans.from_lengths(lengths, backend=backend), counted=counted),
         gather_modality_inputs(samples),
         fields={name: torch.tensor(values, dtype=torch.float32) for name, values in fields.items()},
+        targets=target_rows(label_tensor),
     )

@@ -167,13 +167,19 @@ class DecoderLM(nn.Module):
         """Logits for every token ([tokens] packed or [batch, seq] padded ids). `inserts` maps a placeholder
         token id to the embeddings that replace its occurrences, in order (modality embeddings); `cache`:
         generation's keys and values (models/kv_cache.py), written and attended to by every layer; `logits_at`:
-        the token indices whose logits are wanted (a prefill needs each prompt's last), all when None.
+        the indices of the flattened tokens whose logits are wanted (a training step's targets), all when None.
         Everything runs inside this forward so FSDP's hooks gather the embedding and head weights."""
         h = embed_with_inserts(self.embed_tokens, input_ids, inserts)
         rope = self.rotary(positions, h.dtype)
         for name, layer in self.layers.items():
             h = layer(h, rope, spans) if cache is None else layer(h, rope, spans, cache.layer(name))
-        return self.lm_head(self.norm(h if logits_at is None else h[logits_at]))
+        return self.lm_head(self.norm(h if logits_at is None else at_rows(h, logits_at)))
+
+
+def at_rows(h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Hidden states [..., hidden] at the given flattened token indices: [rows, hidden]. `index_select`, whose
+    backward adds each row back once (advanced indexing's index_put would sort the indices first)."""
+    return h.flatten(0, -2).index_select(0, rows)
 
 
 def embed_with_inserts(embed: nn.Embedding, input_ids: torch.Tensor, inserts: dict[int, torch.Tensor] | None

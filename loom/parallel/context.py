@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from loom.data.batch import Batch
+from loom.data.batch import Batch, target_rows
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend_prefix
 
@@ -131,7 +131,10 @@ def shard_for_context(
     spans = replace(TokenSpans.from_lengths(local_lengths, device, batch.spans.backend), context=shard,
                     counted=None if counted is None else counted.reshape(-1)[keep])
     fields = {name: values.reshape(-1)[keep] for name, values in batch.fields.items()}  # shaped like the labels
-    local = Batch(ids[keep], labels[keep], positions[keep], spans, batch.modality_inputs, fields=fields)
+    local_labels = labels[keep]
+    targets = None if batch.targets is None else target_rows(local_labels)  # this rank's own target rows
+    local = Batch(ids[keep], local_labels, positions[keep], spans, batch.modality_inputs, fields=fields,
+                  targets=targets)
     return local, selectors
 
 

@@ -44,7 +44,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from loom.data.batch import Batch
-from loom.models.llm import DecoderLM, LLMConfig, embed_with_inserts
+from loom.models.llm import DecoderLM, LLMConfig, at_rows, embed_with_inserts
 
 if TYPE_CHECKING:
     from loom.parallel.tied import TiedEmbedding
@@ -176,7 +176,9 @@ class StageModule(nn.Module):
             h = layer(h, rope, data.batch.spans)
         if self.lm_head is None:
             return h
-        loss = self.table.loss(self.lm_head(self.norm(h)), data.batch)
+        rows = data.batch.targets  # the head's rows (RunContext.context_share keeps them only where it can)
+        loss = self.table.loss(self.lm_head(self.norm(h if rows is None else at_rows(h, rows))),
+                               data.batch.at_targets())
         return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over tp: every rank has it
 
 

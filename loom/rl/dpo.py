@@ -56,9 +56,9 @@ class DPO(MetricSums):
             raise ValueError(f"train.objective = 'dpo' needs {REFERENCE!r} per answer token: set train.reference")
         mask = (batch.labels != IGNORE_INDEX).float()
         lp = chunked_token_stats(logits, batch.labels).logprobs * mask  # fp32 logits a chunk at a time
-        # one slot per sequence; a rank's tokens outnumber the microbatch's sequences (under CP each rank holds
-        # ≥ 1 token of every sequence), so this size is the same on every cp rank and needs no sync
-        slots, index = batch.labels.numel(), fields[SEQUENCE].long().reshape(-1)
+        # one slot per sequence (filler segments included), read from the spans: the same on every cp rank (each
+        # holds a share of every sequence), whatever rows the head ran on, and no sync
+        slots, index = batch.sequences, fields[SEQUENCE].long().reshape(-1)
         per_token = torch.stack([lp - fields[REFERENCE] * mask, lp, mask]).reshape(3, -1)
         sums = torch.zeros(3, slots, device=lp.device).index_add(1, index, per_token)
         gain, logprob, tokens = sum_over_shards(sums, self.cp_group)  # whole sequences; backward the identity

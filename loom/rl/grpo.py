@@ -81,7 +81,6 @@ def sequence_weights(batch: Batch) -> torch.Tensor:
     """1 / the completion tokens of each token's sequence, shaped like the labels."""
     index = sequence_index(batch)
     supervised = (batch.labels != IGNORE_INDEX).float()
-    sequences = batch.spans.cu_seqlens.numel() - 1 if batch.spans.packed else batch.labels.shape[0]
-    counts = torch.zeros(sequences, device=index.device)
+    counts = torch.zeros(batch.sequences, device=index.device)
     counts.index_add_(0, index.reshape(-1), supervised.reshape(-1))
     return 1 / counts.clamp(min=1)[index]

@@ -23,7 +23,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 # backend, made at first use.
 @functools.cache
 def compiled_token_loss_sum(backend: str):
-    return torch.compile(token_loss_sum, backend=backend)
+    return torch.compile(token_loss_sum, backend=backend, dynamic=True)  # the rows follow the targets
 
 
 def loss_function(compile_backend: str | None, loss_parallel: bool):

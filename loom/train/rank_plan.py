@@ -136,7 +136,8 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
     comms = StepComms(norm_share(topo, modules), adds_loss=hosts_llm and lang.coord(me.rank)["tp"] == 0,
                       expert_load=expert_load(cfg.model.language, lang.group("dp", "cp") if hosts_llm else None,
                                               world=True))
-    run_context = RunContext(lang.group("cp") if hosts_llm and lay.cp > 1 else None, vocab_sharded=lay.tp > 1)
+    run_context = RunContext(lang.group("cp") if hosts_llm and lay.cp > 1 else None, vocab_sharded=lay.tp > 1,
+                             head_on_targets=not (lay.tp > 1 and lay.sequence_parallel))
     bridges = _bridges(topo, model, cfg)
     rows, encoder_ranks = None, None
     if topo.placement.colocated:

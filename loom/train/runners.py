@@ -9,6 +9,7 @@ runs under `loss_parallel` when the logits arrive vocab-sharded (LLM tp > 1), ba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -33,14 +34,20 @@ class LLMRunner(Protocol):
 
 class RunContext:
     """What the LLM's microbatches run under on this rank: its cp group (None: no cp), vocab-sharded logits (loss
-    parallel) and the forward's autocast (bf16 on one process; under a layout FSDP's policy casts)."""
+    parallel), the forward's autocast (bf16 on one process; under a layout FSDP's policy casts), and whether the
+    head runs on the target rows alone (not under sequence parallel, whose final norm holds a sequence shard: the
+    rows are picked from the whole sequence, which only the head's all-gather puts together)."""
 
     def __init__(self, cp_group: dist.ProcessGroup | None = None, vocab_sharded: bool = False,
-                 autocast=contextlib.nullcontext) -> None:
+                 autocast=contextlib.nullcontext, head_on_targets: bool = True) -> None:
         self.cp_group, self.vocab_sharded, self.autocast = cp_group, vocab_sharded, autocast
+        self.head_on_targets = head_on_targets
 
     def context_share(self, model: MultimodalModel, llm: Batch) -> MicrobatchData:
-        """This cp rank's part of a microbatch's LLM batch, with the selectors of its modality rows (or all)."""
+        """This cp rank's part of a microbatch's LLM batch, with the selectors of its modality rows (or all); its
+        target rows kept only where the head runs on them."""
+        if not self.head_on_targets:
+            llm = dataclasses.replace(llm, targets=None)
         if self.cp_group is None:
             return MicrobatchData(llm, None)
         return MicrobatchData(*shard_for_context(llm, self.cp_group, list(model.placeholder_ids.values())))
@@ -69,8 +76,8 @@ class MicrobatchLoop:
             with how.loss_context():
                 with how.autocast():
                     logits = model.language(part.batch.input_ids, part.batch.positions, part.batch.spans,
-                                            rows.inserts(i, part.selectors))
-                loss_sum = objective.loss_sum(logits, part.batch)
+                                            rows.inserts(i, part.selectors), logits_at=part.batch.targets)
+                loss_sum = objective.loss_sum(logits, part.batch.at_targets())
                 if train:
                     (loss_sum / normaliser).backward()  # loss parallel needs its backward inside the context too
             if train:
