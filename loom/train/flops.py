@@ -1,8 +1,10 @@
-"""Training FLOPs of the work a step actually does on real (non-padding) tokens, and the MFU they make.
+"""The model's training FLOPs for a step's real (non-padding) tokens, and the MFU they make (PaLM's definition:
+throughput times the model's FLOPs per token, over the peak).
 
 Per module, per token: 6 · (parameters of its matrix multiplies) — forward 2, backward 4 — which counts
-every linear layer (the LM head included, the embedding lookup excluded) and the patch / conv stems as the
-matmuls they are. Plus attention scores and their weighting, per sample of length L and per layer with
+every linear layer (the LM head included on every token, as the model defines it, though a step computes the
+head only at its targets: data/batch.py `target_rows`; the embedding lookup excluded) and the patch / conv stems
+as the matmuls they are. Plus attention scores and their weighting, per sample of length L and per layer with
 width d = heads · head_dim: forward 4·L²·d bidirectional, 2·L²·d causal (half the pairs); training 3× that.
 Padding is never counted: a padded step pays for its pads in time, and its MFU shows it. The trainer's log
 line and bench/ count with this one function.
