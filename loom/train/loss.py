@@ -20,10 +20,18 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 # Compiled, the fp32 upcast fuses into the softmax: fp32 logits over a 150K vocabulary are never stored
 # whole, and the backward writes the logits' gradient in their own dtype in one pass. One compiled function per
-# backend, made at first use.
+# backend, made at first use; its rows are a microbatch's targets (data/batch.py target_rows), so they are traced
+# symbolic from the first call (no recompile when they change) while the vocabulary stays a constant.
 @functools.cache
 def compiled_token_loss_sum(backend: str):
-    return torch.compile(token_loss_sum, backend=backend, dynamic=True)  # the rows follow the targets
+    compiled = torch.compile(token_loss_sum, backend=backend)
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(logits, 0)
+        torch._dynamo.maybe_mark_dynamic(labels, 0)
+        return compiled(logits, labels)
+
+    return loss
 
 
 def loss_function(compile_backend: str | None, loss_parallel: bool):
