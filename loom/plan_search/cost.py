@@ -66,6 +66,7 @@ class Workload:
 
     llm_lengths: tuple[int, ...]
     encoder_items: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    llm_targets: int = 0  # tokens with a label, where the LM head runs (data/batch.py target_rows); 0: every token
 
     @property
     def tokens(self) -> int:
@@ -183,17 +184,20 @@ def activation_bytes_per_token_layer(m: ModuleSizes, tp: int, dtype_bytes: int, 
 
 
 def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: int, lengths: list[int],
-                 runs_per_step: int, cal: Calibration) -> Costs:
+                 runs_per_step: int, cal: Calibration, head_tokens: int | None = None) -> Costs:
     """One rank of module `m` for one step. `work_tokens`: tokens (rows) the whole module computes per step —
     fixed-shape microbatches count their filler; `lengths`: the real samples (items), for attention;
-    `runs_per_step`: forward + backward passes per step (M, or 1 for encoders in the three-phase step)."""
+    `runs_per_step`: forward + backward passes per step (M, or 1 for encoders in the three-phase step);
+    `head_tokens`: the rows the LLM's head projects (its targets; None: every row)."""
     c = Costs()
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp
     layers = max(1, m.layers // pp)
     tokens_rank = work_tokens / (dp * cp)  # this rank's tokens per step (every pp stage sees them all)
     tokens_mb = tokens_rank / runs_per_step
     recompute = 4 / 3 if s.activation_checkpointing == "full" else 1.0
-    flops = (6.0 * m.matmul_params * work_tokens + attention_flops(lengths, m.layers, m.attention_width, m.causal))
+    head_params, head_tokens = m.hidden * m.vocab, work_tokens if head_tokens is None else head_tokens
+    flops = (6.0 * (m.matmul_params - head_params) * work_tokens + 6.0 * head_params * head_tokens
+             + attention_flops(lengths, m.layers, m.attention_width, m.causal))
     c.seconds["compute"] = flops / (dp * cp * tp * pp) * recompute / cal.matmul_flops_per_s
     act = activation_bytes_per_token_layer(m, tp, s.dtype_bytes, s.sequence_parallel)
     c.seconds["elementwise"] = 3 * act * tokens_rank * layers / cal.memory_bytes_per_s  # write, read, its gradient
@@ -237,8 +241,8 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     c.bytes["activations"] = act_layer * tokens_mb * layers * in_flight
     if s.activation_checkpointing == "full":  # one block's full activations while it recomputes
         c.bytes["activations"] += act * tokens_mb
-    if m.vocab:  # fp32 logits and their gradient, on the last stage
-        c.bytes["logits"] = 2 * 4 * tokens_mb * m.vocab / tp
+    if m.vocab:  # fp32 logits and their gradient, on the last stage: a microbatch's head rows
+        c.bytes["logits"] = 2 * 4 * tokens_mb * (head_tokens / work_tokens if work_tokens else 1) * m.vocab / tp
     return c
 
 
@@ -260,6 +264,12 @@ def llm_work_tokens(w: Workload, lay: ModuleLayout, s: Settings) -> int:
     return s.tokens_per_microbatch * lay.dp * s.microbatches if s.tokens_per_microbatch else w.tokens
 
 
+def llm_head_tokens(w: Workload, lay: ModuleLayout, s: Settings, work_tokens: int) -> int:
+    """Rows the LLM's head projects per step: its targets (train/runners.py `RunContext`), every row under tp with
+    sequence parallel (the final norm's rows are a sequence shard there) or when the workload does not say."""
+    return work_tokens if (s.sequence_parallel and lay.tp > 1) or not w.llm_targets else w.llm_targets
+
+
 def bridge_s(enc: ModuleSizes, rows: int, enc_lay: ModuleLayout, lang: ModuleLayout, s: Settings,
              colocated: bool, cal: Calibration) -> float:
     """The encoder's rows into the LLM and their gradients back, per step, on a rank of either side."""
@@ -275,8 +285,9 @@ def estimate(sizes: dict[str, ModuleSizes], layouts: dict[str, ModuleLayout], s:
     """Step time, tokens/s and memory per GPU of one candidate (`layouts`: every module, language included)."""
     lang = layouts["language"]
     colocated = len({(lay.start, lay.size) for lay in layouts.values()}) == 1
-    llm = module_costs(sizes["language"], lang, s, llm_work_tokens(w, lang, s), list(w.llm_lengths),
-                       s.microbatches, cal)
+    work = llm_work_tokens(w, lang, s)
+    llm = module_costs(sizes["language"], lang, s, work, list(w.llm_lengths), s.microbatches, cal,
+                       llm_head_tokens(w, lang, s, work))
     bubble = pipeline_bubble(lang.pp, s.microbatches, s.pp_virtual_stages)
     for term in ("compute", "elementwise", "tp", "cp", "ep", "pp", "host"):
         if term in llm.seconds:

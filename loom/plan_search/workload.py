@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import JobConfig
+from loom.data.batch import supervised_count
 from loom.plan_search.cost import ModuleSizes, Workload
 from loom.train.flops import matmul_params
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
@@ -28,7 +29,8 @@ class JobFacts:
         if k == 1:
             return self.steps[0]
         # every k-th sample after sorting keeps the mix of lengths at one step's size
-        return Workload(tuple(sorted(lengths)[::k]), {n: tuple(sorted(r)[::k]) for n, r in items.items()})
+        return Workload(tuple(sorted(lengths)[::k]), {n: tuple(sorted(r)[::k]) for n, r in items.items()},
+                        sum(w.llm_targets for w in self.steps) // k)
 
 
 def job_facts(cfg: JobConfig, steps: int = 3) -> JobFacts:
@@ -43,7 +45,7 @@ def job_facts(cfg: JobConfig, steps: int = 3) -> JobFacts:
     for step in range(steps):
         samples = [s for i in batches.indices(step) for s in _sequences(data.train[i])]
         items = {n: tuple(c(item) for s in samples for item in s.items(n)) for n, c in counters.items()}
-        drawn.append(Workload(tuple(len(s) for s in samples), items))
+        drawn.append(Workload(tuple(len(s) for s in samples), items, sum(supervised_count(s) for s in samples)))
     return JobFacts(module_sizes(model), tuple(drawn), dict(data.longest))
 
 
