@@ -60,3 +60,27 @@ def test_bench_hsdp_layout_shards_over_cp_only(worlds):
         cp = rank % 2
         for name, (rows, local) in shards.items():
             assert local == _chunk_rows(rows, 2, cp), (rank, name, rows, local)
+
+
+def _gathered_after_forward(frozen: bool) -> list[str]:
+    """The vision encoder's parameters still gathered (not DTensor shards) after a forward with no backward, at
+    dp2 with the encoder frozen or trained."""
+    import torch
+
+    from loom.train.build import build_job_model, setup_parallel
+
+    cfg = load_config(None, ["--train.global_batch_size=8", f"--train.vision.freeze={str(frozen).lower()}"],
+                      world_size=dist.get_world_size())
+    model = build_job_model(cfg, ByteTokenizer())
+    setup_parallel(model, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        model.encode({"vision": [torch.randn(3, 32, 32)]})
+    return [name for name, p in model.vision.named_parameters() if not isinstance(p, DTensor)]
+
+
+def test_a_frozen_encoder_reshards_after_its_forward(worlds):
+    """A frozen module has no backward for FSDP2 to reshard it in: every unit, its root too, reshards after forward
+    (a trained one's root keeps its weights gathered for the backward that follows)."""
+    frozen, trained = worlds.run(2, _gathered_after_forward, True), worlds.run(2, _gathered_after_forward, False)
+    assert frozen == [[], []]
+    assert all(trained) and trained[0] == trained[1]  # the root's own weights, kept for the backward

@@ -47,13 +47,16 @@ def apply_fsdp(
     reshard_after_forward: bool,
     blocks_per_unit: int = 1,
 ) -> None:
+    # a frozen module (train.<module>.freeze) has no backward to reshard its units in: they reshard after forward,
+    # or its whole weights would stay gathered on every rank from one forward to the next
+    trained = any(p.requires_grad for p in module.parameters())
     # a unit of k consecutive blocks: one all-gather / reduce-scatter and one set of hooks for all k
     for i in range(0, len(blocks), blocks_per_unit):
         unit = blocks[i : i + blocks_per_unit]
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward)
-    # the root keeps its parameters gathered after forward: the backward needs them at once
-    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+                    reshard_after_forward=reshard_after_forward or not trained)
+    # the root of a trained module keeps its parameters gathered after forward: the backward needs them at once
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not trained)
     gloo = dist.get_backend(mesh.get_group(0)) == "gloo"
     for m in module.modules():
         if isinstance(m, FSDPModule):
