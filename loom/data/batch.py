@@ -75,7 +75,8 @@ class Batch:
 def target_rows(labels: torch.Tensor) -> torch.Tensor:
     """Where the flattened labels are targets, rounded up to TARGET_MULTIPLE (at least one multiple) with the
     first row that is not: the head computes logits only there (an SFT step's prompts, images and clips have
-    none to read), and the extra rows' ignored labels add nothing. Computed on the host, so no step waits."""
+    none to read), and the extra rows' ignored labels add nothing. Collation calls it on the host, so no step
+    waits for it (CP sharding calls it again on a rank's share, where that step already reads its lengths back)."""
     flat = labels.reshape(-1)
     rows = (flat != IGNORE_INDEX).nonzero().squeeze(1)
     if not flat.numel():  # a replica without samples this step
