@@ -167,7 +167,8 @@ class DecoderLM(nn.Module):
         """Logits for every token ([tokens] packed or [batch, seq] padded ids). `inserts` maps a placeholder
         token id to the embeddings that replace its occurrences, in order (modality embeddings); `cache`:
         generation's keys and values (models/kv_cache.py), written and attended to by every layer; `logits_at`:
-        the indices of the flattened tokens whose logits are wanted (a training step's targets), all when None.
+        the indices of the flattened tokens whose logits are wanted (a step's targets, a prefill's last prompt
+        tokens), all when None.
         Everything runs inside this forward so FSDP's hooks gather the embedding and head weights."""
         h = embed_with_inserts(self.embed_tokens, input_ids, inserts)
         rope = self.rotary(positions, h.dtype)
