@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from bench.attn_impl import timed
 from bench.workload import PackedSteps, Shape
+from loom.data.batch import IGNORE_INDEX
 from loom.data.spans import TokenSpans, filler_lengths
 from loom.models.attention import _varlen
 from loom.train.loss import token_loss_sum
@@ -86,7 +87,7 @@ def head_rows(seq: int, supervised: int) -> None:
     weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     h = torch.randn(seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(vocab, (seq,), device="cuda")
-    labels[supervised:] = -100
+    labels[supervised:] = IGNORE_INDEX
     loss = torch.compile(token_loss_sum)
     for rows in (seq, supervised):
         def run(rows=rows):
