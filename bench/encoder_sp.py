@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -91,3 +92,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # DTensor's sharding caches keep the gloo group alive past destroy_process_group, and its destructor at
+    # interpreter teardown aborted ~1 run in 10 ("terminate called without an active exception"): skip teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
