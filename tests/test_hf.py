@@ -50,8 +50,11 @@ LLMS = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(
         **LLM_SIZES, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "rope_theta": 1000.0,
                                                                 "factor": 4.0})),
-    # QK-norm, head_dim × heads ≠ hidden_size
-    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**LLM_SIZES, head_dim=24, tie_word_embeddings=False)),
+    # QK-norm, head_dim × heads ≠ hidden_size, YaRN (its attention factor scales cos and sin) past an original 16
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(
+        **LLM_SIZES, head_dim=24, tie_word_embeddings=False, max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16})),
 }
 SIGLIP = SiglipVisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                             image_size=16, patch_size=4)

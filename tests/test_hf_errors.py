@@ -111,12 +111,13 @@ def test_unsupported_architecture_is_refused(exported, tmp_path):
         ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, r"sliding-window attention"),
         ("llama", {"attention_bias": True}, r"attention_bias = true .* o_proj"),
         ("llama", {"hidden_act": "gelu"}, r"hidden_act = 'gelu'"),
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-         r"rope type 'yarn' is not supported"),
+        ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                        "long_factor": [2.0] * 8}},
+         r"rope type 'longrope' is not supported"),
         ("siglip", {"hidden_act": "quick_gelu"}, r"hidden_act = 'quick_gelu'"),
         ("whisper", {"activation_function": "relu"}, r"activation_function = 'relu'"),
     ],
-    ids=["use_sliding_window", "layer_types", "llama_attention_bias", "hidden_act", "yarn", "siglip_act",
+    ids=["use_sliding_window", "layer_types", "llama_attention_bias", "hidden_act", "longrope", "siglip_act",
          "whisper_act"],
 )
 def test_unsupported_config_is_refused(exported, tmp_path, family, changes, message):

@@ -1,16 +1,20 @@
 """The sampler (loom/rl/sampler.py) with its KV cache (loom/models/kv_cache.py): greedy decoding equals
-generation that re-runs the whole prefix (no cache), for prompts of different lengths with images and clips;
+generation that re-runs the whole prefix (no cache), for prompts of different lengths with images and clips, with
+grouped-query and with multi-head latent attention (keys and values of different widths in the cache);
 each recorded logprob equals the teacher-forced one of the finished sequence at the sampling temperature; top-p
 keeps the smallest set that reaches p; a seed fixes the samples."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import sharpen
+from conftest import sharpen, tiny_audio_config, tiny_llm_config, tiny_vision_config
 
 from loom.data.packing import pack_samples
 from loom.data.sample import Sample
+from loom.models.multimodal import build_model
 from loom.rl.sampler import Sampler, SamplingParams, pick
 from loom.train.evaluate import answer_span, greedy_generate
 
@@ -26,10 +30,19 @@ def prompts(mixed_samples):
     return _prompts([s for s in mixed_samples if any(s.supervised)])
 
 
-@pytest.fixture
-def model(tiny_model, tok):
+# DeepSeek-V3's shape of attention, small: a query bottleneck, a latent, values narrower than keys
+LATENT = dict(num_kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+              rope_interleave=True)
+
+
+@pytest.fixture(params=["gqa", "mla"])
+def model(request, tiny_model, tok):
     """Logits far from uniform (no near-ties for greedy decoding to break) that never predict a media
     placeholder (greedy_generate, the reference, would take a generated one for a media slot)."""
+    if request.param == "mla":
+        torch.manual_seed(0)
+        llm = dataclasses.replace(tiny_llm_config(), **LATENT)
+        tiny_model = build_model(llm, tiny_vision_config(), tiny_audio_config(), tok.placeholder_ids).eval()
     model = sharpen(tiny_model)
     placeholders = list(tok.placeholder_ids.values())
 

@@ -4,7 +4,8 @@ Every module calls `attend(q, k, v, spans, causal)`. The spans say how tokens ar
 - padded: q/k/v are [batch, seq, heads, dim] and `pad_mask` [batch, seq] marks real tokens;
 - packed: q/k/v are [tokens, heads, dim] and `cu_seqlens` [n+1] holds the sample offsets; attention
   never crosses a sample boundary.
-Keys/values may have fewer heads than queries (grouped-query attention).
+Keys/values may have fewer heads than queries (grouped-query attention), and values another width than
+queries and keys (multi-head latent attention).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from loom.data.spans import TokenSpans
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: TokenSpans, causal: bool) -> torch.Tensor:
-    """Scaled dot-product attention; returns a tensor shaped like `q`."""
+    """Scaled dot-product attention (scale 1/√ of q's width); returns `q`'s shape with `v`'s last dim."""
     if spans.context is not None:
         return spans.context.attend(q, k, v, causal, spans.backend)
     if spans.packed:
@@ -50,7 +51,11 @@ def _prefix_sdpa(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans) -> torch.Ten
         mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).tril(diagonal=(ke - ks) - (qe - qs))
         qs_, ks_, vs_ = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
         outs.append(grouped_sdpa(qs_, ks_, vs_, mask).squeeze(0).transpose(0, 1))
-    return torch.cat(outs) if outs else q[:0]
+    return torch.cat(outs) if outs else _no_rows(q, v)
+
+
+def _no_rows(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_zeros((0, *q.shape[1:-1], v.shape[-1]))
 
 
 def host_bounds(spans: TokenSpans) -> tuple[int, ...] | list[int]:
@@ -81,6 +86,9 @@ _VARLEN_PARAMS = frozenset(inspect.signature(_VARLEN).parameters) if _VARLEN is 
 def _varlen(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans, causal: bool) -> torch.Tensor:
     """FlashAttention varlen; with fewer queries than keys its causal mask is bottom-right aligned."""
     fn, params = _VARLEN, _VARLEN_PARAMS
+    if v.shape[-1] != q.shape[-1]:  # FlashAttention takes one head width: narrower values padded, cut after
+        out = _varlen(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), q_spans, k_spans, causal)
+        return out[..., : v.shape[-1]]
     kwargs = {}
     # torch 2.11 takes is_causal; later releases express causality as window_size=(-1, 0)
     if "is_causal" in params:
@@ -139,4 +147,4 @@ def _packed_sdpa(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
         if end > start:
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             outs.append(grouped_sdpa(qs, ks, vs, causal=causal).squeeze(0).transpose(0, 1))
-    return torch.cat(outs) if outs else q[:0]
+    return torch.cat(outs) if outs else _no_rows(q, v)

@@ -50,13 +50,41 @@ def check_language(lm: LLMConfig, tokenizer_vocab: int) -> None:
             f"model.language.hidden_size = {lm.hidden_size} is not divisible by num_heads = {lm.num_heads}; "
             f"set model.language.head_dim explicitly"
         )
-    if lm.dim_per_head % 2:
+    if lm.dim_per_head % 2 and not lm.latent:
         raise ConfigError(f"model.language head dim = {lm.dim_per_head} must be even for rotary embedding")
+    check_latent_attention(lm)
     check_experts(lm)
     if lm.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.language.vocab_size = {lm.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids"
         )
+
+
+def check_latent_attention(lm: LLMConfig) -> None:
+    """The multi-head latent attention keys of [model.language]; without kv_lora_rank, none of them may be set."""
+    key = "model.language"
+    mla = {f"{key}.{k}": getattr(lm, k) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                    "qk_rope_head_dim", "v_head_dim")}
+    check_non_negative(mla)
+    if not lm.latent:
+        stray = [k for k, v in mla.items() if v] + ([f"{key}.rope_interleave"] if lm.rope_interleave else [])
+        if stray:
+            raise ConfigError(f"{stray} belong to multi-head latent attention, which {key}.kv_lora_rank = 0 "
+                              f"turns off: set kv_lora_rank, or drop them")
+        return
+    check_positive({f"{key}.qk_rope_head_dim": lm.qk_rope_head_dim, f"{key}.v_head_dim": lm.v_head_dim})
+    if lm.qk_rope_head_dim % 2:
+        raise ConfigError(f"{key}.qk_rope_head_dim = {lm.qk_rope_head_dim} must be even for rotary embedding")
+    if lm.num_kv_heads != lm.num_heads:
+        raise ConfigError(f"{key}.num_kv_heads = {lm.num_kv_heads} must equal num_heads = {lm.num_heads} under "
+                          f"multi-head latent attention (kv_lora_rank = {lm.kv_lora_rank}): every head expands its "
+                          f"own key and value from the latent")
+    if lm.qk_norm:
+        raise ConfigError(f"{key}.qk_norm has no meaning under multi-head latent attention (kv_lora_rank = "
+                          f"{lm.kv_lora_rank}): its latents have norms of their own")
+    if lm.v_head_dim > lm.key_dim:
+        raise ConfigError(f"{key}.v_head_dim = {lm.v_head_dim} must be ≤ qk_nope_head_dim + qk_rope_head_dim = "
+                          f"{lm.key_dim}: FlashAttention takes one head width, and values are padded to the keys'")
 
 
 def check_experts(lm: LLMConfig) -> None:

@@ -1,7 +1,7 @@
 """Keys and values kept across forwards for generation: the prompts prefilled packed, then one token per sequence
 per decode step.
 
-The cache is padded ([sequences, capacity, kv heads, head dim] per layer) with each sequence's length kept
+The cache is padded ([sequences, capacity, kv heads, key or value dim] per layer) with each sequence's length kept
 beside it. A forward hands each layer its `LayerCache`, whose `attend` replaces the layer's attention:
 - prefill (packed spans, THD): every prompt's keys and values are written at positions 0..len − 1 of its row,
   and the prompts attend among themselves causally, exactly as in training;
@@ -21,11 +21,12 @@ from loom.models.attention import attend, host_bounds
 
 
 class KVCache:
-    def __init__(self, layers: list[str], sequences: int, capacity: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (sequences, capacity, kv_heads, head_dim)
-        self.layers = {name: LayerCache(self, torch.zeros(shape, dtype=dtype, device=device),
-                                        torch.zeros(shape, dtype=dtype, device=device)) for name in layers}
+    def __init__(self, layers: list[str], sequences: int, capacity: int, kv_heads: int, key_dim: int,
+                 value_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        def rows(dim: int) -> torch.Tensor:
+            return torch.zeros((sequences, capacity, kv_heads, dim), dtype=dtype, device=device)
+
+        self.layers = {name: LayerCache(self, rows(key_dim), rows(value_dim)) for name in layers}
         self.lengths = torch.zeros(sequences, dtype=torch.long, device=device)  # keys each row holds
         self.capacity = capacity
 

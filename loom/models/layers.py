@@ -26,16 +26,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding, with the rope scalings found in Llama/Qwen configs."""
+    """Inverse frequencies of rotary embedding, with the rope scalings found in Llama/Qwen/DeepSeek configs."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_type(scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported; use one of: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; use one of: default, linear, llama3, yarn")
+
+
+def rope_type(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -51,12 +57,46 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(dim: int, theta: float, s: dict) -> torch.Tensor:
+    # YaRN: frequencies that turn fewer than beta_slow times over the original length are divided by `factor`,
+    # those turning more than beta_fast times kept, a linear ramp between (dims rounded outward unless truncate)
+    def turns_at(rotations: float) -> float:  # the dim whose frequency turns `rotations` times over that length
+        return dim * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_at(s.get("beta_fast") or 32), turns_at(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    wavelengths = theta ** (torch.arange(0, dim, 2).float() / dim)
+    return 1.0 / (s["factor"] * wavelengths) * ramp + 1.0 / wavelengths * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other rope type): `attention_factor` when given,
+    else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (DeepSeek), else mscale(factor)."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dims = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dims:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims)
+    return yarn_mscale(factor)
+
+
 class Rotary(nn.Module):
     """Rotary embedding for explicit positions, so packed samples restart at 0 and CP keeps global ones."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.attention_factor = rope_attention_factor(scaling)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -67,7 +107,10 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]  # broadcast over heads
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
 from loom.models.kv_cache import KVCache, LayerCache
+from loom.models.latent_attention import LatentAttention
 from loom.models.experts import Experts
 from loom.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, project
 from loom.models.moe import MoEBlock
@@ -57,10 +58,36 @@ class LLMConfig:
     router_z_loss_coef: float = 0.0  # router z-loss weight (mean over tokens of logsumexp(logits)²)
     router_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss weight (mean over samples)
     expert_kernel: str = choice("auto", "auto", "loop", "grouped")  # auto: grouped GEMM on CUDA in bf16, else loop
+    # multi-head latent attention (DeepSeek-V3's MLA; kv_lora_rank 0: standard attention), names as in its config
+    kv_lora_rank: int = 0  # the latent every head's key and value are expanded from
+    q_lora_rank: int = 0  # the queries' bottleneck (0: one projection)
+    qk_nope_head_dim: int = 0  # a head's query/key dims without rotary embedding ...
+    qk_rope_head_dim: int = 0  # ... and with it (one rotary key shared by every head)
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs interleaved (DeepSeek's checkpoints), not split in halves
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def latent(self) -> bool:
+        """Whether attention is multi-head latent attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def key_dim(self) -> int:
+        """A head's query and key width."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent else self.dim_per_head
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim if self.latent else self.dim_per_head
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dims of a head's query and key."""
+        return self.qk_rope_head_dim if self.latent else self.dim_per_head
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) has a mixture-of-experts MLP: Qwen3-MoE's and DeepSeek-V3's rules."""
@@ -110,7 +137,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: LLMConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.latent else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sparse = cfg.is_sparse(index)
         if self.sparse:
@@ -140,7 +167,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = Rotary(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

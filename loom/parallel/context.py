@@ -98,7 +98,7 @@ class ContextShard:
         if not causal:
             raise ValueError("context parallel attention is causal only (encoders do not use cp)")
         k_all, v_all = _GatherTokens.apply(k, self.group), _GatherTokens.apply(v, self.group)
-        out = torch.zeros_like(q)
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # values may be narrower than keys (MLA)
         for half in (0, 1):
             qh = q[self.q_rows[half]]
             kh, vh = k_all[self.k_rows[half]], v_all[self.k_rows[half]]

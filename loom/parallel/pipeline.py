@@ -66,8 +66,8 @@ ZERO_BUBBLE = ("zero_bubble", "zbv")  # backward split into input and (deferred)
 def layer_flops(cfg: LLMConfig) -> int:
     """Matmul FLOPs per token of one decoder layer's forward (attention's T² part aside: it grows with T
     alike on every stage)."""
-    d, hd = cfg.hidden_size, cfg.dim_per_head
-    attn = d * cfg.num_heads * hd * 2 + d * cfg.num_kv_heads * hd * 2  # q, o; k, v
+    d, hd = cfg.hidden_size, (cfg.key_dim + cfg.value_dim) // 2
+    attn = d * cfg.num_heads * hd * 2 + d * cfg.num_kv_heads * hd * 2  # q, o; k, v (MLA: as if expanded)
     return 2 * (attn + 3 * d * cfg.intermediate_size)
 
 

@@ -1,6 +1,7 @@
 """Tensor (+ sequence) parallel plans, applied from outside with DTensor's `parallelize_module`.
 
-LLM: attention heads and KV heads split (q/k/v column-wise, o row-wise), SwiGLU column/row, vocab-parallel
+LLM: attention heads and KV heads split (q/k/v column-wise, o row-wise; under multi-head latent attention the
+per-head up-projections column-wise, the latent down-projections whole), SwiGLU column/row, vocab-parallel
 embedding, and a vocab-sharded LM head whose logits stay a DTensor for loss parallel. With sequence
 parallel the residual stream between blocks is sharded over tokens (dim 0 packed, dim 1 padded): norms
 run on their token shard, each attention/MLP input is all-gathered, each output reduce-scattered.
@@ -20,6 +21,7 @@ gradients on every tp rank because every column-parallel input all-reduces its g
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -49,16 +51,10 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
         plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
         if sequence_parallel:
             plan["norm"] = SequenceParallel(sequence_dim=seq_dim)
-    tp, kv_heads = mesh.size(), llm.cfg.num_kv_heads
-    kv = ColwiseParallel if kv_heads % tp == 0 else lambda: KVHeadOfRank(llm.cfg.dim_per_head, tp // kv_heads)
     for name, layer in llm.layers.items():
         block = f"layers.{name}"
-        plan.update({
-            f"{block}.self_attn.q_proj": ColwiseParallel(),
-            f"{block}.self_attn.k_proj": kv(),
-            f"{block}.self_attn.v_proj": kv(),
-            f"{block}.self_attn.o_proj": RowwiseParallel(output_layouts=act),
-        })
+        plan.update(_latent_attention_plan(llm.cfg, block) if llm.cfg.latent else _attention_plan(llm.cfg, block, mesh))
+        plan[f"{block}.self_attn.o_proj"] = RowwiseParallel(output_layouts=act)
         if layer.sparse:
             # experts stay whole on every tp rank (FSDP shards them): the block computes on every token there,
             # under SP on the gathered tokens, and keeps this rank's token shard of its output
@@ -79,9 +75,11 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
             plan.update({
                 f"{block}.input_layernorm": SequenceParallel(sequence_dim=seq_dim),
                 f"{block}.post_attention_layernorm": SequenceParallel(sequence_dim=seq_dim),
-                # (h, rope, layout): gather the token shards of h before the projections
+                # (h, rope, layout): gather the token shards of h before the projections (a plain tensor for
+                # latent attention's down-projections, which stay plain)
                 f"{block}.self_attn": PrepareModuleInput(
-                    input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None),
+                    use_local_output=llm.cfg.latent,
                 ),
             })
             if not layer.sparse:
@@ -97,6 +95,43 @@ def apply_llm_tp(llm: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, seq_
     # distributing replaced both parameters; tie them again (same Shard(0) layout)
     if llm.cfg.tie_embeddings and first_stage and last_stage:
         llm.lm_head.weight = llm.embed_tokens.weight
+
+
+def _attention_plan(cfg, block: str, mesh: DeviceMesh) -> dict:
+    tp, kv_heads = mesh.size(), cfg.num_kv_heads
+    kv = ColwiseParallel if kv_heads % tp == 0 else lambda: KVHeadOfRank(cfg.dim_per_head, tp // kv_heads)
+    return {f"{block}.self_attn.q_proj": ColwiseParallel(), f"{block}.self_attn.k_proj": kv(),
+            f"{block}.self_attn.v_proj": kv()}
+
+
+def _latent_attention_plan(cfg, block: str) -> dict:
+    """Multi-head latent attention: the per-head up-projections split by heads; the down-projections and their
+    norms stay whole on every rank (small, and their outputs feed every head)."""
+    attn = f"{block}.self_attn"
+    return {f"{attn}.{'q_b_proj' if cfg.q_lora_rank else 'q_proj'}": ColwiseParallel(),
+            f"{attn}.kv_b_proj": ColwiseParallel(),
+            f"{attn}.kv_a_proj_with_mqa": SharedRotaryKey(cfg.kv_lora_rank)}
+
+
+class SharedRotaryKey(ParallelStyle):
+    """`kv_a_proj_with_mqa` under tp: it stays whole, but the rotary key in its last columns is read by every
+    head, so by each rank's heads only: its gradient there is partial per rank and is summed over tp (declared
+    Partial, as KVHeadOfRank does). The latent's columns feed `kv_b_proj`, whose column-parallel input already
+    sums its gradient. Without this the down-projection and the layer's input would get a rank's share only."""
+
+    def __init__(self, latent_width: int) -> None:
+        super().__init__()
+        self.latent_width = latent_width
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def shared_key(mod, inputs, out):
+            latent, key = out.split([self.latent_width, out.shape[-1] - self.latent_width], -1)
+            key = DTensor.from_local(key, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return torch.cat([latent, key], -1)
+
+        # a hook, not distribute_module, which would make the weights DTensors: they stay plain, like the norms
+        module.register_forward_hook(shared_key)
+        return module
 
 
 class _ReplicatedMoE(ParallelStyle):

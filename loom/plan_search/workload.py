@@ -62,7 +62,7 @@ def module_sizes(model) -> dict[str, ModuleSizes]:
     expert_width = (lm.moe_intermediate_size or lm.intermediate_size)
     active = (lm.num_experts_per_tok + lm.n_shared_experts) * expert_width
     mlp_width = (dense * lm.intermediate_size + sparse * active) // lm.num_layers
-    d = lm.dim_per_head
+    d = (lm.key_dim + lm.value_dim) // 2  # a head's width, keys and values averaged (they differ under MLA)
     sizes = {"language": ModuleSizes(
         "language", sum(p.numel() for p in model.language.parameters()), experts, matmul_params(model.language),
         lm.num_layers, lm.hidden_size, lm.num_heads * d, lm.num_kv_heads * d, lm.num_kv_heads, mlp_width, 4, True,

@@ -5,7 +5,8 @@ Per module, per token: 6 · (parameters of its matrix multiplies) — forward 2,
 every linear layer (the LM head included on every token, as the model defines it, though a step computes the
 head only at its targets: data/batch.py `target_rows`; the embedding lookup excluded) and the patch / conv stems
 as the matmuls they are. Plus attention scores and their weighting, per sample of length L and per layer with
-width d = heads · head_dim: forward 4·L²·d bidirectional, 2·L²·d causal (half the pairs); training 3× that.
+width d = heads · head_dim (under multi-head latent attention, the mean of the key and value widths): forward
+4·L²·d bidirectional, 2·L²·d causal (half the pairs); training 3× that.
 Padding is never counted: a padded step pays for its pads in time, and its MFU shows it. The trainer's log
 line and bench/ count with this one function.
 """
@@ -62,7 +63,9 @@ class ModelFlops:
         for name in model.encoder_names:
             enc = model.encoder(name)
             encoders[name] = (matmul_params(enc), enc.encoder.cfg.num_layers, enc.encoder.cfg.hidden_size)
-        return ModelFlops((matmul_params(model.language), lm.num_layers, lm.num_heads * lm.dim_per_head), encoders)
+        # a pair's scores read key_dim and its sum value_dim per head: their mean is the width (MLA: 192, 128)
+        width = lm.num_heads * (lm.key_dim + lm.value_dim) // 2
+        return ModelFlops((matmul_params(model.language), lm.num_layers, width), encoders)
 
     def step(self, llm_lengths: list[int], item_rows: dict[str, list[int]]) -> float:
         """Training FLOPs of a step: real tokens per sample, and each encoder's rows per item."""

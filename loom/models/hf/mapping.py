@@ -1,8 +1,8 @@
 """What a Hugging Face checkpoint means to loom: config.json ↔ loom config, tensor names ↔ loom names.
 
 Three kinds of module, named as loom's modules are:
-- ``language``: Llama 3.x (``llama``), Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``)
-  causal LMs → DecoderLM;
+- ``language``: Llama 3.x (``llama``), Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``),
+  DeepSeek-V3 (``deepseek_v3``: latent attention, sigmoid-routed experts) causal LMs → DecoderLM;
 - ``vision``: a SigLIP vision tower (``siglip_vision_model``, or the vision half of ``siglip``) → VisionEncoder;
 - ``audio``: a Whisper encoder (``whisper``: WhisperForConditionalGeneration, WhisperModel or WhisperEncoder)
   → AudioEncoder.
@@ -17,6 +17,7 @@ import math
 import re
 
 from loom.models.audio import AudioConfig
+from loom.models.hf.deepseek_v3 import check_deepseek_v3, deepseek_v3_keys, deepseek_v3_to_hf
 from loom.models.hf.errors import HFError
 from loom.models.hf.qwen3_moe import check_qwen3_moe, qwen3_moe_keys, qwen3_moe_to_hf
 from loom.models.llm import LLMConfig
@@ -27,6 +28,7 @@ MODEL_TYPES = {
     "qwen2": "language",
     "qwen3": "language",
     "qwen3_moe": "language",
+    "deepseek_v3": "language",
     "siglip_vision_model": "vision",
     "siglip": "vision",
     "whisper": "audio",
@@ -36,11 +38,13 @@ ARCHITECTURES = {
     "qwen2": {"Qwen2ForCausalLM", "Qwen2Model"},
     "qwen3": {"Qwen3ForCausalLM", "Qwen3Model"},
     "qwen3_moe": {"Qwen3MoeForCausalLM", "Qwen3MoeModel"},
+    "deepseek_v3": {"DeepseekV3ForCausalLM", "DeepseekV3Model"},
     "siglip_vision_model": {"SiglipVisionModel"},
     "siglip": {"SiglipModel", "SiglipVisionModel"},
     "whisper": {"WhisperForConditionalGeneration", "WhisperModel", "WhisperEncoder"},
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 WHISPER_LAYER_NORM_EPS = 1e-5  # fixed in Whisper (nn.LayerNorm default), not in its config
 
 
@@ -92,7 +96,7 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
               where)
     if hf.get("hidden_act", "silu") != "silu":
         _reject(where, f"hidden_act = {hf['hidden_act']!r}", "loom's MLP is SwiGLU (silu)")
-    if mt in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
+    if mt in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):  # DeepSeek-V3's: its own modules
         _reject(where, "attention_bias = true", f"{mt} then adds a bias to o_proj too, and loom's o_proj has none")
     if hf.get("mlp_bias"):
         _reject(where, "mlp_bias = true", "loom's MLP projections have no bias")
@@ -103,7 +107,7 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
     heads = hf["num_attention_heads"]
     qwen3 = mt in ("qwen3", "qwen3_moe")
     default_head_dim = 128 if qwen3 else hf["hidden_size"] // heads  # Qwen3Config's default is 128
-    return LLMConfig(
+    keys = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
@@ -118,8 +122,12 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
         attention_bias=mt == "qwen2",  # Qwen2 always has q/k/v bias (and never o_proj bias)
         qk_norm=qwen3,
         hf=folder,
-        **(qwen3_moe_keys(hf) if mt == "qwen3_moe" else {}),
     )
+    if mt == "qwen3_moe":
+        keys.update(qwen3_moe_keys(hf))
+    if mt == "deepseek_v3":
+        keys.update(deepseek_v3_keys(hf, where))
+    return LLMConfig(**keys)
 
 
 def _sliding_layers(hf: dict) -> list[int]:
@@ -157,6 +165,12 @@ def _rope(hf: dict, where: str) -> tuple[float, dict | None]:
         or params.get("original_max_position_embeddings")
         or hf.get("max_position_embeddings")
     )
+    if kind == "yarn":
+        factor = params.get("factor") or (hf.get("max_position_embeddings") or 0) / (original or 1)
+        if not original or not factor:
+            raise HFError(f"{where}: yarn rope scaling lacks 'factor' and 'original_max_position_embeddings'")
+        return theta, {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+                       **{k: params[k] for k in YARN_KEYS if params.get(k) is not None}}
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
     if missing or not original:
         raise HFError(f"{where}: llama3 rope scaling lacks {missing or ['original_max_position_embeddings']}")
@@ -232,6 +246,9 @@ def config_to_hf(kind: str, cfg, dtype) -> dict:
 
 
 def llm_family(cfg: LLMConfig) -> str:
+    if cfg.latent:
+        check_deepseek_v3(cfg)
+        return "deepseek_v3"
     if cfg.attention_bias and cfg.qk_norm:
         raise HFError(
             "language: attention_bias and qk_norm together have no Hugging Face counterpart "
@@ -255,7 +272,7 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"])
     out = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM"}[mt]],
+                           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[mt]],
         "model_type": mt,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -279,7 +296,9 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         out["attention_bias"] = False
     if mt == "qwen3_moe":
         out.update(qwen3_moe_to_hf(cfg))
-    if mt == "llama":
+    if mt == "deepseek_v3":
+        out.update(deepseek_v3_to_hf(cfg))
+    if mt in ("llama", "deepseek_v3"):
         out["mlp_bias"] = False
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
@@ -379,6 +398,9 @@ def skip_reason(kind: str, name: str, prefix: str, hf: dict) -> str | None:
             return "tied to embed_tokens (some tied checkpoints store it anyway)"
         if name.endswith(".rotary_emb.inv_freq"):
             return "rotary frequencies, recomputed from the config (older checkpoints saved them)"
+        layer = re.match(rf"^{re.escape(prefix)}layers\.(\d+)\.", name)
+        if layer and hf.get("num_nextn_predict_layers") and int(layer.group(1)) >= hf["num_hidden_layers"]:
+            return "DeepSeek's multi-token-prediction layers (after the last layer), which loom does not train"
     elif kind == "vision":
         if name.startswith(prefix + "head."):
             return "SigLIP's attention-pooling head; VLMs use the patch features before it"
