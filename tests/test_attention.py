@@ -86,6 +86,33 @@ def test_varlen_backend_on_cpu_fp32_is_an_explicit_error():
         attend(q, k, v, TokenSpans.from_lengths([2, 3], backend="varlen"), causal=True)
 
 
+def test_values_narrower_than_keys_through_every_packed_path(monkeypatch):
+    """Multi-head latent attention's values are narrower than its keys. Per-sample SDPA (CPU) and the varlen path
+    give the naive answer; varlen here is a stand-in that, like FlashAttention, takes one head width only, so it
+    sees the values padded to the keys' width and the output cut back."""
+    import loom.models.attention as attention
+
+    lengths = [5, 3, 6]
+    spans = TokenSpans.from_lengths(lengths)
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(sum(lengths), 4, 12, generator=g) for _ in range(2))
+    v = torch.randn(sum(lengths), 4, 8, generator=g)
+    allowed = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool).tril() for n in lengths])
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(12)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", weights, v.double()).float()
+
+    def one_width_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "FlashAttention takes one head width"
+        return attention._packed_sdpa(q, k, v, TokenSpans.from_cu_seqlens(cu_q), is_causal)
+
+    monkeypatch.setattr(attention, "_VARLEN", one_width_varlen)
+    monkeypatch.setattr(attention, "_VARLEN_PARAMS", frozenset({"is_causal"}))
+    for got in (attend(q, k, v, spans, causal=True), attention._varlen(q, k, v, spans, spans, causal=True)):
+        assert got.shape == (sum(lengths), 4, 8)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def test_packed_mask_matters():
     """Control: the naive reference with one big segment differs, so the comparison above can fail."""
     g = torch.Generator().manual_seed(4)
