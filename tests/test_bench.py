@@ -260,3 +260,18 @@ def test_model_flops_of_a_text_only_model_counts_the_llm_alone():
     lm = cfg.model.language
     assert flops.encoders == {} and flops.llm == (matmul_params(job.model.language), lm.num_layers, lm.hidden_size)
     assert flops.step([10, 20], {}) == step_flops(*flops.llm, [10, 20], [])
+
+
+def test_model_flops_of_latent_attention_average_the_key_and_value_widths():
+    """Under MLA a pair's score reads the key width (nope 16 + rope 8 = 24) and its weighted sum the value width
+    (12), per head: 4 heads give 2·4·24 + 2·4·12 = 288 FLOPs per pair forward, a dense width of 288 / 4 = 72."""
+    from loom.train.build import build_job
+    from loom.train.flops import ModelFlops
+    from conftest import TINY_MODEL_OVERRIDES
+
+    mla = ["--model.language.kv_lora_rank=32", "--model.language.qk_nope_head_dim=16",
+           "--model.language.qk_rope_head_dim=8", "--model.language.v_head_dim=12", "--model.language.num_kv_heads=4"]
+    cfg = load_config(None, TINY_MODEL_OVERRIDES + mla + ["--model.encoders=[]", '--data.tasks=["sums"]',
+                                                          "--train.device=cpu"])
+    assert cfg.model.language.num_heads == 4
+    assert ModelFlops.of(build_job(cfg).model).llm[2] == 72
