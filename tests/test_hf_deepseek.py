@@ -1,7 +1,8 @@
-"""DeepSeek-V3 interop: multi-head latent attention (with and without the query bottleneck, rotary pairs
-interleaved or in halves, YaRN with DeepSeek's mscale) and its sigmoid-routed experts. A random-init transformers
-model saved with `save_pretrained` (no download) loads into loom with the same logits, and loom exports it back to
-the same tensors."""
+"""DeepSeek-V2/V3 interop: multi-head latent attention (with and without the query bottleneck, rotary pairs
+interleaved or in halves, YaRN with DeepSeek's mscale), V3's sigmoid-routed experts with their selection bias and
+V2's softmax-routed ones (over all experts, or within the best groups by their best expert). A random-init
+transformers model saved with `save_pretrained` (no download) loads into loom with the same logits, and loom
+exports it back to the same tensors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+)
 
 from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import build_pretrained, export_module  # noqa: E402
@@ -27,16 +34,21 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermed
             max_position_embeddings=64)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 0.8}
+V3 = (DeepseekV3Config, DeepseekV3ForCausalLM)
+V2 = (DeepseekV2Config, DeepseekV2ForCausalLM)
 CASES = {  # DeepSeek-V3's own shape of attention; Moonlight's (no query bottleneck); rotary halves, no scaling
-    "q-lora-interleaved-yarn": dict(q_lora_rank=24, rope_interleave=True, rope_scaling=YARN),
-    "no-q-lora-interleaved": dict(q_lora_rank=None, rope_interleave=True),
-    "q-lora-halves-bias": dict(q_lora_rank=24, rope_interleave=False, attention_bias=True),
+    "v3-q-lora-interleaved-yarn": (V3, dict(q_lora_rank=24, rope_interleave=True, rope_scaling=YARN)),
+    "v3-no-q-lora-interleaved": (V3, dict(q_lora_rank=None, rope_interleave=True)),
+    "v3-q-lora-halves-bias": (V3, dict(q_lora_rank=24, rope_interleave=False, attention_bias=True)),
+    # DeepSeek-V2: 2 groups, a token's experts in the best one; V2-Lite: no query bottleneck, top-k over all
+    "v2-group-limited-yarn": (V2, dict(q_lora_rank=24, topk_method="group_limited_greedy", rope_scaling=YARN)),
+    "v2-lite-greedy": (V2, dict(q_lora_rank=None, topk_method="greedy", n_group=None, topk_group=None)),
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def saved(request, tmp_path_factory):
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE, **CASES[request.param])).eval()
+def _saved(case: str, folder):
+    (config, causal_lm), changes = CASES[case]
+    model = causal_lm(config(**{**BASE, **changes})).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # far from init (the router starts at zero): every tensor changes the logits
         for p in model.parameters():
@@ -45,9 +57,13 @@ def saved(request, tmp_path_factory):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    folder = tmp_path_factory.mktemp("deepseek")
     model.save_pretrained(folder)
     return model, folder
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def saved(request, tmp_path_factory):
+    return _saved(request.param, tmp_path_factory.mktemp("deepseek"))
 
 
 def test_logits_equal_transformers(saved):
@@ -77,17 +93,18 @@ def test_export_round_trip_is_exact(saved, tmp_path):
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], v) for k, v in original.items())
     back = AutoModelForCausalLM.from_pretrained(out)
-    assert type(back) is DeepseekV3ForCausalLM
-    assert back.config.rope_interleave == ref.config.rope_interleave
+    assert type(back) is type(ref)
     assert back.config.q_lora_rank == ref.config.q_lora_rank
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, ref(ids).logits)
 
 
-def test_multi_token_prediction_layers_are_skipped_and_fp8_folders_refused(saved, tmp_path):
+def test_multi_token_prediction_layers_are_skipped_and_fp8_folders_refused(tmp_path):
     """DeepSeek-V3's folders hold a layer after the last (its multi-token-prediction module) and fp8 weights."""
-    _, folder = saved
+    _, folder = _saved("v3-q-lora-interleaved-yarn", tmp_path / "v3")
+    tmp_path = tmp_path / "edited"
+    tmp_path.mkdir()
     tensors = load_file(folder / "model.safetensors")
     extra = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64)}
     save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -104,3 +121,18 @@ def test_multi_token_prediction_layers_are_skipped_and_fp8_folders_refused(saved
     (tmp_path / "config.json").write_text(json.dumps({**hf, "scoring_func": "softmax"}))
     with pytest.raises(HFError, match="scoring_func"):
         build_pretrained(tmp_path)
+
+
+def test_routing_keys_transformers_does_not_read_are_refused(tmp_path):
+    _, folder = _saved("v2-lite-greedy", tmp_path)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "topk_method": "noaux_tc"}))
+    with pytest.raises(HFError, match=r"topk_method = 'noaux_tc' is not supported"):
+        build_pretrained(folder)
+
+
+def test_a_layout_of_routing_no_deepseek_config_says_is_refused_on_export(tmp_path):
+    lm = build_pretrained(_saved("v2-group-limited-yarn", tmp_path / "v2")[1])
+    lm.cfg.router_group_score = "top2_sum"  # V2 scores a group by its best expert
+    with pytest.raises(HFError, match=r"'router_group_score': 'top2_sum'.*DeepSeek-V2"):
+        export_module(lm, tmp_path / "out")

@@ -49,8 +49,9 @@ class LLMConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here ...
     first_k_dense_replace: int = 0  # ... and i ≥ this (DeepSeek-V3's first dense layers)
     router_score: str = choice("softmax", "softmax", "sigmoid")  # softmax: Qwen3-MoE; sigmoid: DeepSeek-V3
-    n_group: int = 1  # group-limited routing (DeepSeek-V3): experts in n_group groups, the topk_group best kept
+    n_group: int = 1  # group-limited routing (DeepSeek-V2/V3): experts in n_group groups, the topk_group best kept
     topk_group: int = 1
+    router_group_score: str = choice("top2_sum", "top2_sum", "max")  # a group: the sum of its best two (V3) or max (V2)
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # shared experts every token goes through (one SwiGLU n × moe_intermediate_size)
     router_bias: bool = False  # a selection-only bias per expert (DeepSeek-V3's e_score_correction_bias)
@@ -101,7 +102,7 @@ class LLMConfig:
     def router_spec(self) -> RouterSpec:
         return RouterSpec(self.num_experts, self.num_experts_per_tok, self.router_score, self.norm_topk_prob,
                           self.n_group, self.topk_group, self.routed_scaling_factor,
-                          self.router_bias or self.router_bias_update_rate > 0)
+                          self.router_bias or self.router_bias_update_rate > 0, self.router_group_score)
 
 
 class Attention(nn.Module):

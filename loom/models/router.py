@@ -3,9 +3,10 @@
 Two scoring rules, as the checkpoints that use them define them:
 - ``softmax`` (Qwen3-MoE, Mixtral): softmax over the experts, the top k, optionally renormalised to sum 1;
 - ``sigmoid`` (DeepSeek-V3): a sigmoid per expert; the *choice* adds a per-expert bias (auxiliary-loss-free
-  load balancing, updated outside the model) and may first keep only the `topk_group` best of `n_group` expert
-  groups (a group scores the sum of its two best); the weights are the unbiased scores of the chosen experts,
+  load balancing, updated outside the model); the weights are the unbiased scores of the chosen experts,
   renormalised when asked, times `routed_scaling_factor`.
+Either may first keep only the `topk_group` best of `n_group` expert groups: a group scores the sum of its two
+best (DeepSeek-V3, `group_score = "top2_sum"`) or its best (DeepSeek-V2's softmax routing, `"max"`).
 
 Everything here runs in fp32 whatever the model's dtype: a bf16 router flips near-tied choices from step to
 step and between layouts.
@@ -30,6 +31,7 @@ class RouterSpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     choice_bias: bool = False  # a selection-only bias buffer (`e_score_correction_bias`)
+    group_score: str = "top2_sum"  # "top2_sum" (DeepSeek-V3) | "max" (DeepSeek-V2)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class Router(nn.Module):
             if self.e_score_correction_bias is not None:
                 choice = choice + self.e_score_correction_bias.float()
             if s.n_group > 1:
-                choice = _best_groups_only(choice, s.n_group, s.topk_group)
+                choice = _best_groups_only(choice, s.n_group, s.topk_group, s.group_score)
             experts = choice.topk(s.top_k, dim=-1).indices
             weights = scores.gather(-1, experts)
             if s.norm_topk_prob:
@@ -81,11 +83,12 @@ class Router(nn.Module):
         return Routing(experts, weights, scores, logits)
 
 
-def _best_groups_only(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+def _best_groups_only(choice: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
     """`choice` with the experts outside each token's `topk_group` best groups set to 0 (scores are ≥ 0 but a
     negative bias may push them below: DeepSeek-V3 masks with 0 too, so do we)."""
     tokens, experts = choice.shape
     grouped = choice.view(tokens, n_group, experts // n_group)
-    group_score = grouped.topk(min(2, experts // n_group), dim=-1).values.sum(-1)
-    keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(topk_group, dim=-1).indices, 1.0)
+    best = 1 if group_score == "max" else min(2, experts // n_group)
+    score = grouped.topk(best, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(score).scatter_(1, score.topk(topk_group, dim=-1).indices, 1.0)
     return grouped.masked_fill(keep.unsqueeze(-1) == 0, 0.0).view(tokens, experts)

@@ -2,7 +2,7 @@
 
 Three kinds of module, named as loom's modules are:
 - ``language``: Llama 3.x (``llama``), Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``),
-  DeepSeek-V3 (``deepseek_v3``: latent attention, sigmoid-routed experts) causal LMs → DecoderLM;
+  DeepSeek-V2 and -V3 (``deepseek_v2``, ``deepseek_v3``: latent attention, routed experts) causal LMs → DecoderLM;
 - ``vision``: a SigLIP vision tower (``siglip_vision_model``, or the vision half of ``siglip``) → VisionEncoder;
 - ``audio``: a Whisper encoder (``whisper``: WhisperForConditionalGeneration, WhisperModel or WhisperEncoder)
   → AudioEncoder.
@@ -17,7 +17,7 @@ import math
 import re
 
 from loom.models.audio import AudioConfig
-from loom.models.hf.deepseek_v3 import check_deepseek_v3, deepseek_v3_keys, deepseek_v3_to_hf
+from loom.models.hf.deepseek import FAMILIES as DEEPSEEK, deepseek_family, deepseek_keys, deepseek_to_hf
 from loom.models.hf.errors import HFError
 from loom.models.hf.qwen3_moe import check_qwen3_moe, qwen3_moe_keys, qwen3_moe_to_hf
 from loom.models.llm import LLMConfig
@@ -28,6 +28,7 @@ MODEL_TYPES = {
     "qwen2": "language",
     "qwen3": "language",
     "qwen3_moe": "language",
+    "deepseek_v2": "language",
     "deepseek_v3": "language",
     "siglip_vision_model": "vision",
     "siglip": "vision",
@@ -38,6 +39,7 @@ ARCHITECTURES = {
     "qwen2": {"Qwen2ForCausalLM", "Qwen2Model"},
     "qwen3": {"Qwen3ForCausalLM", "Qwen3Model"},
     "qwen3_moe": {"Qwen3MoeForCausalLM", "Qwen3MoeModel"},
+    "deepseek_v2": {"DeepseekV2ForCausalLM", "DeepseekV2Model"},
     "deepseek_v3": {"DeepseekV3ForCausalLM", "DeepseekV3Model"},
     "siglip_vision_model": {"SiglipVisionModel"},
     "siglip": {"SiglipModel", "SiglipVisionModel"},
@@ -125,8 +127,8 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
     )
     if mt == "qwen3_moe":
         keys.update(qwen3_moe_keys(hf))
-    if mt == "deepseek_v3":
-        keys.update(deepseek_v3_keys(hf, where))
+    if mt in DEEPSEEK:
+        keys.update(deepseek_keys(hf, mt, where))
     return LLMConfig(**keys)
 
 
@@ -247,8 +249,7 @@ def config_to_hf(kind: str, cfg, dtype) -> dict:
 
 def llm_family(cfg: LLMConfig) -> str:
     if cfg.latent:
-        check_deepseek_v3(cfg)
-        return "deepseek_v3"
+        return deepseek_family(cfg)
     if cfg.attention_bias and cfg.qk_norm:
         raise HFError(
             "language: attention_bias and qk_norm together have no Hugging Face counterpart "
@@ -272,7 +273,8 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"])
     out = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[mt]],
+                           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                           "deepseek_v3": "DeepseekV3ForCausalLM"}[mt]],
         "model_type": mt,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -296,9 +298,9 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         out["attention_bias"] = False
     if mt == "qwen3_moe":
         out.update(qwen3_moe_to_hf(cfg))
-    if mt == "deepseek_v3":
-        out.update(deepseek_v3_to_hf(cfg))
-    if mt in ("llama", "deepseek_v3"):
+    if mt in DEEPSEEK:
+        out.update(deepseek_to_hf(cfg, mt))
+    if mt in ("llama", *DEEPSEEK):
         out["mlp_bias"] = False
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
