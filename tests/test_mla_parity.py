@@ -6,6 +6,7 @@ gloo CPU ranks. Its interop with transformers is tests/test_hf_deepseek.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 from oracle import assert_all_passed, run_verify
 
 from loom.job import load_config
@@ -46,3 +47,59 @@ def test_mla_layout_matches_reference(worlds, name):
 def test_a_latent_attention_config_that_cannot_run_is_refused_by_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def _cp_latent_attention() -> dict:
+    """One latent-attention layer on its cp2 share of two samples against the layer on the whole of them: the
+    outputs at this rank's tokens, the input gradient there, the weights' gradients summed over cp, and the
+    widths of the rows that crossed the cp group."""
+    import torch.distributed as dist
+
+    from loom.data.spans import TokenSpans
+    from loom.models.latent_attention import LatentAttention
+    from loom.models.layers import Rotary
+    from loom.models.llm import LLMConfig
+    from loom.parallel import context
+
+    cfg = LLMConfig(hidden_size=32, num_heads=4, num_kv_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True)
+    torch.manual_seed(0)
+    attn, rotary = LatentAttention(cfg), Rotary(cfg.rope_dim, cfg.rope_theta)
+    lengths = [8, 12]  # multiples of 2·cp
+    x = torch.randn(sum(lengths), 32)
+    weight = torch.randn(sum(lengths), 32)  # the loss Σ out · weight reads every output
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    whole_x = x.clone().requires_grad_()
+    (attn(whole_x, rotary(positions, x.dtype), TokenSpans.from_lengths(lengths)) * weight).sum().backward()
+    want = {name: p.grad.clone() for name, p in attn.named_parameters()}
+    attn.zero_grad()
+
+    group, rank, size = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    order = context.zigzag_order(lengths, size)
+    keep = order.view(size, -1)[rank]
+    spans = TokenSpans.from_lengths([n // size for n in lengths])
+    spans = type(spans)(**{**spans.__dict__, "context": context._context(group, lengths, order, rank, size, "cpu")})
+    widths, gather = [], context._GatherTokens.apply
+    context._GatherTokens.apply = lambda t, g: widths.append(t.shape[1:]) or gather(t, g)
+    try:
+        local_x = x[keep].clone().requires_grad_()
+        out = attn(local_x, rotary(positions[keep], x.dtype), spans)
+        (out * weight[keep]).sum().backward()
+    finally:
+        context._GatherTokens.apply = gather
+    grads = {}
+    for name, p in attn.named_parameters():
+        dist.all_reduce(p.grad)
+        grads[name] = (p.grad - want[name]).abs().max().item()
+    whole_out = attn(x, rotary(positions, x.dtype), TokenSpans.from_lengths(lengths)).detach()
+    return {"out": (out - whole_out[keep]).abs().max().item(), "input_grad": (local_x.grad - whole_x.grad[keep]).abs()
+            .max().item(), "grads": grads, "widths": [list(w) for w in widths]}
+
+
+def test_cp_gathers_the_latent_not_the_expanded_heads(worlds):
+    """Under cp each rank gathers the 16-wide latent and 4-wide rotary key of every token (20 values) — not 4 heads
+    of 12-wide keys and 6-wide values (72) — and expands what it reads; exact against the whole sequence."""
+    for r in worlds.run(2, _cp_latent_attention):
+        assert r["widths"] == [[20]]
+        assert r["out"] < 1e-6 and r["input_grad"] < 1e-6, r
+        assert max(r["grads"].values()) < 1e-5, r["grads"]

@@ -31,6 +31,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: TokenSpans,
     return _padded_sdpa(q, k, v, spans, causal)
 
 
+def attend_latent(q: torch.Tensor, latent: torch.Tensor, expand, spans: TokenSpans, causal: bool) -> torch.Tensor:
+    """Attention whose keys and values `expand(latent) -> (k, v)` makes from per-token `latent` rows (multi-head
+    latent attention): under CP the latent rows are what crosses the ranks, each rank expanding what it reads."""
+    if spans.context is not None:
+        return spans.context.attend_latent(q, latent, expand, causal, spans.backend)
+    k, v = expand(latent)
+    return attend(q.to(v.dtype), k.to(v.dtype), v, spans, causal)  # varlen needs one dtype
+
+
 def attend_prefix(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spans: TokenSpans, k_spans: TokenSpans, backend: str
 ) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from loom.data.spans import TokenSpans
-from loom.models.attention import attend
+from loom.models.attention import attend_latent
 from loom.models.kv_cache import LayerCache
 from loom.models.layers import RMSNorm, apply_rotary, rope_type, yarn_mscale
 
@@ -52,8 +52,6 @@ class LatentAttention(nn.Module):
         # heads inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged
         q_nope, q_rot = q.unflatten(-1, (-1, self.nope + self.rope)).split([self.nope, self.rope], -1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).unflatten(-1, (-1, self.nope + self.value_dim))
-        k_nope, v = kv.split([self.nope, self.value_dim], -1)
         k_rot = k_rot.unsqueeze(-2)  # one head, read by every query head
         if self.interleave:
             q_rot, k_rot = _halves(q_rot), _halves(k_rot)
@@ -61,10 +59,23 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rot], -1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        k = torch.cat([k_nope, k_rot.expand(*k_nope.shape[:-1], -1)], -1)
-        q, k = q.to(v.dtype), k.to(v.dtype)  # fp32 norms under autocast promote; attend in v's dtype
-        out = attend(q, k, v, spans, causal=True) if cache is None else cache.attend(q, k, v, spans)
+        # per token: the normed latent and the rotated key, from which every head's key and value are expanded; in
+        # the projections' dtype (under autocast the fp32 norm weight promotes, and kv_b_proj would cast back)
+        compressed = torch.cat([self.kv_a_layernorm(latent).to(k_rot.dtype), k_rot.squeeze(-2)], -1)
+        if cache is None:
+            out = attend_latent(q, compressed, self._expand, spans, causal=True)
+        else:
+            k, v = self._expand(compressed)
+            out = cache.attend(q.to(v.dtype), k.to(v.dtype), v, spans)
         return self.o_proj(out.flatten(-2))
+
+    def _expand(self, compressed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's key [nope | shared rotary] and value from the per-token latent and rotary key."""
+        latent, k_rot = compressed.split([self.kv_lora_rank, self.rope], -1)
+        k_nope, v = self.kv_b_proj(latent).unflatten(-1, (-1, self.nope + self.value_dim)).split(
+            [self.nope, self.value_dim], -1)
+        k = torch.cat([k_nope, k_rot.unsqueeze(-2).expand(*k_nope.shape[:-1], -1).to(k_nope.dtype)], -1)
+        return k, v
 
 
 def _halves(x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ and late (cheap and expensive) queries. Positions keep their global values; labe
 sharding, so no chunk boundary pairs a logit with the wrong target. Padded (BSHD) batches are flattened
 to one sample per row first: pads trail each row, so causal attention never reads them.
 
-Attention: K/V of the local chunks are all-gathered within the cp group (GQA heads, before expansion) and
-put back in global order; the first and second local chunk of every sample then attend, causally, to the
+Attention: K/V of the local chunks are all-gathered within the cp group (GQA heads, before expansion; under
+multi-head latent attention the per-token latent and rotary key, each rank expanding the keys and values it
+reads) and put back in global order; the first and second local chunk of every sample then attend, causally, to the
 prefix of their sample that ends at their own last position. PyTorch's experimental `context_parallel`
 has no CPU rule for SDPA, so this is loom's own: the same code runs on gloo and NCCL.
 """
@@ -95,14 +96,30 @@ class ContextShard:
 
     @torch.compiler.disable  # its K/V collectives stay eager: a compiled block splits around them
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: str) -> torch.Tensor:
+        k_all, v_all = _GatherTokens.apply(k, self.group), _GatherTokens.apply(v, self.group)
+        return self._attend_halves(q, lambda rows: (k_all[rows], v_all[rows]), causal, backend)
+
+    @torch.compiler.disable
+    def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, expand, causal: bool, backend: str
+                      ) -> torch.Tensor:
+        """Keys and values expanded from per-token `latent` rows (`expand(rows) -> (k, v)`): the latent crosses
+        the cp group, not the expanded heads (DeepSeek-V3: 576 values a token against 128 · 320), and each half
+        expands the prefix it reads — the expansion's cost grows with cp, the gather's shrinks by far more."""
+        every = _GatherTokens.apply(latent, self.group)
+        return self._attend_halves(q, lambda rows: expand(every[rows]), causal, backend)
+
+    def _attend_halves(self, q: torch.Tensor, keys_of, causal: bool, backend: str) -> torch.Tensor:
+        """Each sample's two local chunks attend to their causal prefixes; `keys_of(rows)`: (k, v) at gathered
+        rows."""
         if not causal:
             raise ValueError("context parallel attention is causal only (encoders do not use cp)")
-        k_all, v_all = _GatherTokens.apply(k, self.group), _GatherTokens.apply(v, self.group)
-        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # values may be narrower than keys (MLA)
+        out = None
         for half in (0, 1):
-            qh = q[self.q_rows[half]]
-            kh, vh = k_all[self.k_rows[half]], v_all[self.k_rows[half]]
+            kh, vh = keys_of(self.k_rows[half])
+            qh, kh = q[self.q_rows[half]].to(vh.dtype), kh.to(vh.dtype)  # varlen needs one dtype
             oh = attend_prefix(qh, kh, vh, self.q_spans[half], self.k_spans[half], backend)
+            if out is None:  # values may be narrower than keys (MLA): the output takes their width
+                out = q.new_zeros((*q.shape[:-1], vh.shape[-1]))
             out = out.index_copy(0, self.q_rows[half], oh)
         return out
 
