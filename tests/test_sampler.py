@@ -1,6 +1,7 @@
 """The sampler (loom/rl/sampler.py) with its KV cache (loom/models/kv_cache.py): greedy decoding equals
 generation that re-runs the whole prefix (no cache), for prompts of different lengths with images and clips, with
-grouped-query and with multi-head latent attention (keys and values of different widths in the cache);
+grouped-query and with multi-head latent attention (its cache holds latents, and decode attends in the latent
+space);
 each recorded logprob equals the teacher-forced one of the finished sequence at the sampling temperature; top-p
 keeps the smallest set that reaches p; a seed fixes the samples."""
 
@@ -30,7 +31,7 @@ def prompts(mixed_samples):
     return _prompts([s for s in mixed_samples if any(s.supervised)])
 
 
-# DeepSeek-V3's shape of attention, small: a query bottleneck, a latent, values narrower than keys
+# DeepSeek-V3's shape of attention, small: a query bottleneck, a latent, values narrower than keys (12 + 6 wide)
 LATENT = dict(num_kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
               rope_interleave=True)
 
@@ -97,3 +98,14 @@ def test_a_seed_fixes_the_samples(model, tok, prompts):
     runs = [[c.tokens for c in sampler.generate(prompts, params, torch.Generator().manual_seed(s))]
             for s in (1, 1, 2)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_a_latent_attention_cache_holds_each_tokens_latent_not_its_heads():
+    """2 layers × 2 rows × 10 places × (16-wide latent + 4-wide rotary key), where grouped heads would hold
+    4 heads × (12-wide key + 6-wide value) a token."""
+    from loom.models.kv_cache import KVCache
+
+    cfg = dataclasses.replace(tiny_llm_config(), **LATENT)
+    cache = KVCache(cfg, ["0", "1"], 2, 10, torch.float32, torch.device("cpu"))
+    held = [t for layer in cache.layers.values() for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    assert sum(t.numel() for t in held) == 2 * 2 * 10 * (16 + 4)

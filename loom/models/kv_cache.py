@@ -9,6 +9,10 @@ beside it. A forward hands each layer its `LayerCache`, whose `attend` replaces 
   query attends to that row's keys up to and including it (a mask per row: rows have different lengths).
 `advance(n)` moves the lengths after every layer has written (n: the tokens each row just received). Decode
 attends over the whole capacity with a mask, so its shapes never change (a compiled step traces once).
+
+Under multi-head latent attention a layer keeps each token's latent and rotary key ([sequences, capacity, latent
+width]: DeepSeek-V3's 576 values a token against 40,960 for its expanded keys and values); prefill expands the
+prompts' rows as training does, and decode attends in the latent space (`LatentAttention.attend_absorbed`).
 """
 
 from __future__ import annotations
@@ -17,20 +21,26 @@ import torch
 import torch.nn.functional as F
 
 from loom.data.spans import TokenSpans
-from loom.models.attention import attend, host_bounds
+from loom.models.attention import attend, attend_latent, host_bounds
 
 
 class KVCache:
-    def __init__(self, layers: list[str], sequences: int, capacity: int, kv_heads: int, key_dim: int,
-                 value_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        def rows(dim: int) -> torch.Tensor:
-            return torch.zeros((sequences, capacity, kv_heads, dim), dtype=dtype, device=device)
+    def __init__(self, cfg, layers: list[str], sequences: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """`cfg`: the LLM's LLMConfig (which attention, its widths); `layers`: the names of the layers to serve."""
+        def rows(*dims: int) -> torch.Tensor:
+            return torch.zeros((sequences, capacity, *dims), dtype=dtype, device=device)
 
-        self.layers = {name: LayerCache(self, rows(key_dim), rows(value_dim)) for name in layers}
+        if cfg.latent:
+            width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            self.layers = {name: LatentLayerCache(self, rows(width)) for name in layers}
+        else:
+            self.layers = {name: LayerCache(self, rows(cfg.num_kv_heads, cfg.key_dim),
+                                            rows(cfg.num_kv_heads, cfg.value_dim)) for name in layers}
         self.lengths = torch.zeros(sequences, dtype=torch.long, device=device)  # keys each row holds
         self.capacity = capacity
 
-    def layer(self, name: str) -> LayerCache:
+    def layer(self, name: str) -> LayerCache | LatentLayerCache:
         return self.layers[name]
 
     def advance(self, tokens: torch.Tensor | int) -> None:
@@ -49,11 +59,7 @@ class LayerCache:
 
     def _prefill(self, q, k, v, spans: TokenSpans) -> torch.Tensor:
         """Packed prompts [tokens, heads, dim]: row r's prompt goes to positions lengths[r]… of row r."""
-        bounds = host_bounds(spans)
-        row = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=k.device),
-                                      torch.as_tensor([e - s for s, e in zip(bounds, bounds[1:])], device=k.device))
-        offset = torch.arange(k.shape[0], device=k.device) - torch.as_tensor(bounds[:-1], device=k.device)[row]
-        place = self.cache.lengths[row] + offset
+        row, place = _places(self.cache.lengths, spans, k.device)
         self.keys[row, place] = k.to(self.keys.dtype)
         self.values[row, place] = v.to(self.values.dtype)
         return attend(q, k, v, spans, causal=True)
@@ -73,3 +79,31 @@ class LayerCache:
                                              values.transpose(1, 2).to(q.dtype), attn_mask=mask[:, None, None, :],
                                              enable_gqa=True)
         return out.transpose(1, 2)
+
+
+def _places(lengths: torch.Tensor, spans: TokenSpans, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For packed prompts: each token's row, and its position in that row (after what the row already holds)."""
+    bounds = host_bounds(spans)
+    row = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=device),
+                                  torch.as_tensor([e - s for s, e in zip(bounds, bounds[1:])], device=device))
+    offset = torch.arange(bounds[-1], device=device) - torch.as_tensor(bounds[:-1], device=device)[row]
+    return row, lengths[row] + offset
+
+
+class LatentLayerCache:
+    """One latent-attention layer's cache: each token's latent and rotary key, `[rows, capacity, width]`."""
+
+    def __init__(self, cache: KVCache, latents: torch.Tensor) -> None:
+        self.cache, self.latents = cache, latents
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, spans: TokenSpans, expand, absorbed) -> torch.Tensor:
+        """`latent`: this forward's compressed rows; `expand(rows) -> (k, v)` for a prefill; `absorbed(q, rows,
+        mask)`: attention over cached rows in the latent space, for a decode step."""
+        if spans.packed:  # prefill: the prompts' rows written, then attended among themselves as in training
+            row, place = _places(self.cache.lengths, spans, latent.device)
+            self.latents[row, place] = latent.to(self.latents.dtype)
+            return attend_latent(q, latent, expand, spans, causal=True)
+        rows, at = torch.arange(q.shape[0], device=q.device), self.cache.lengths
+        self.latents[rows, at] = latent[:, 0].to(self.latents.dtype)
+        mask = torch.arange(self.cache.capacity, device=q.device)[None, :] <= at[:, None]  # [rows, keys]
+        return absorbed(q, self.latents.to(q.dtype), mask)

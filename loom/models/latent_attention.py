@@ -11,12 +11,14 @@ Names follow the Hugging Face layout, so checkpoints map one to one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend_latent
-from loom.models.kv_cache import LayerCache
+from loom.models.kv_cache import LatentLayerCache
 from loom.models.layers import RMSNorm, apply_rotary, rope_type, yarn_mscale
 
 
@@ -47,7 +49,7 @@ class LatentAttention(nn.Module):
         self.query_scale = mscale * mscale
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: TokenSpans,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LatentLayerCache | None = None) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.query_bottleneck else self.q_proj(x)
         # heads inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged
         q_nope, q_rot = q.unflatten(-1, (-1, self.nope + self.rope)).split([self.nope, self.rope], -1)
@@ -65,9 +67,22 @@ class LatentAttention(nn.Module):
         if cache is None:
             out = attend_latent(q, compressed, self._expand, spans, causal=True)
         else:
-            k, v = self._expand(compressed)
-            out = cache.attend(q.to(v.dtype), k.to(v.dtype), v, spans)
+            out = cache.attend(q, compressed, spans, self._expand, self.attend_absorbed)
         return self.o_proj(out.flatten(-2))
+
+    def attend_absorbed(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per row (`q` [rows, 1, heads, key]) over cached latent rows (`rows` [rows, keys, latent + rope],
+        `mask` [rows, keys]) without expanding them: `kv_b_proj`'s key part folded into the queries and its value
+        part applied after the weighted sum (DeepSeek's absorbed decode; the same scores and outputs up to
+        rounding). Returns [rows, 1, heads, value]."""
+        heads_w = self.kv_b_proj.weight.view(-1, self.nope + self.value_dim, self.kv_lora_rank)  # [heads, ·, latent]
+        latent, k_rot = rows.split([self.kv_lora_rank, self.rope], -1)
+        q_nope, q_rot = q[:, 0].split([self.nope, self.rope], -1)  # [rows, heads, ·]
+        q_latent = torch.einsum("rhn,hnc->rhc", q_nope, heads_w[:, : self.nope])
+        scores = (torch.einsum("rhc,rtc->rht", q_latent, latent) + torch.einsum("rhp,rtp->rht", q_rot, k_rot))
+        weights = (scores / math.sqrt(self.nope + self.rope)).masked_fill(~mask[:, None, :], float("-inf"))
+        mixed = torch.einsum("rht,rtc->rhc", weights.softmax(-1), latent)
+        return torch.einsum("rhc,hvc->rhv", mixed, heads_w[:, self.nope :]).unsqueeze(1)
 
     def _expand(self, compressed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's key [nope | shared rotary] and value from the per-token latent and rotary key."""

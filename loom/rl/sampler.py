@@ -65,8 +65,8 @@ class Sampler:
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        cache = KVCache(list(lm.layers), len(prompts), max(map(len, prompts)) + params.max_new_tokens,
-                        lm.cfg.num_kv_heads, lm.cfg.key_dim, lm.cfg.value_dim, next(lm.parameters()).dtype, device)
+        cache = KVCache(lm.cfg, list(lm.layers), len(prompts), max(map(len, prompts)) + params.max_new_tokens,
+                        next(lm.parameters()).dtype, device)
         text = [Sample(p.tokens, [False] * len(p), [], []) for p in prompts]
         batch = pack_samples(text, self.pad_id, backend=self.backend).to(device)
         embeds = model.encode({k: [x.to(device) for x in v] for k, v in gather_modality_inputs(prompts).items()})
