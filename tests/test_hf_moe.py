@@ -93,3 +93,22 @@ def test_a_router_bias_has_no_qwen3_moe_counterpart(saved, tmp_path):
     lm.cfg.router_bias_update_rate = 1e-3
     with pytest.raises(HFError, match="router_bias_update_rate"):
         export_module(lm, tmp_path / "out")
+
+
+def test_a_job_keeps_its_training_keys_over_the_folder_and_a_bias_the_folder_lacks_starts_at_zero(saved):
+    """The folder says what the model is; how to train it (init, router balancing and losses) is the job's. With
+    the bias update on, Qwen3-MoE's routers, which have no selection bias, get one that starts at zero."""
+    from loom.job import load_config
+    from loom.train.build import build_job
+
+    ref, folder = saved
+    cfg = load_config(None, [f"--model.language.hf={folder}", "--model.language.router_bias_update_rate=0.01",
+                             "--model.language.router_z_loss_coef=0.002", "--model.language.init_std=0.05",
+                             "--model.language.num_experts=4", "--model.encoders=[]", '--data.tasks=["sums"]',
+                             "--train.device=cpu"])
+    lm = cfg.model.language
+    assert (lm.router_bias_update_rate, lm.router_z_loss_coef, lm.init_std) == (0.01, 0.002, 0.05)
+    assert lm.num_experts == 8  # an architecture key: the folder's
+    gate = build_job(cfg).model.language.layers["2"].mlp.gate
+    assert torch.equal(gate.e_score_correction_bias, torch.zeros(8))
+    assert torch.equal(gate.weight, ref.model.layers[2].mlp.gate.weight)

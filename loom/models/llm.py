@@ -39,7 +39,7 @@ class LLMConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head before RoPE
     init_std: float = 0.02
-    hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
+    hf: str = ""  # Hugging Face folder to load this module from: its config.json replaces all but TRAINING_KEYS
     # mixture of experts (0 experts: every layer dense). Names as in Hugging Face's Qwen3-MoE / DeepSeek-V3 configs
     num_experts: int = 0
     num_experts_per_tok: int = 2
@@ -66,6 +66,10 @@ class LLMConfig:
     qk_rope_head_dim: int = 0  # ... and with it (one rotary key shared by every head)
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary pairs interleaved (DeepSeek's checkpoints), not split in halves
+
+    # how to train, not what the model is: a Hugging Face folder does not say these, so a job's values stand
+    TRAINING_KEYS = ("init_std", "expert_kernel", "router_bias_update_rate", "router_z_loss_coef",
+                     "router_seq_aux_loss_coef")
 
     @property
     def dim_per_head(self) -> int:

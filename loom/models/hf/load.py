@@ -24,7 +24,7 @@ from loom.models.audio import AudioEncoder
 from loom.models.hf.mapping import HFError, config_from_hf, detect_prefix, hf_name, kind_of, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
-from loom.models.llm import DecoderLM
+from loom.models.llm import DecoderLM, LLMConfig
 from loom.models.multimodal import ModelConfig
 from loom.models.vision import VisionEncoder
 from loom.typed_config import ConfigError
@@ -37,6 +37,7 @@ PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 class LoadReport:
     loaded: dict[str, str] = field(default_factory=dict)  # loom name → checkpoint name
     skipped: dict[str, str] = field(default_factory=dict)  # checkpoint name → why it is not loaded
+    computed: dict[str, str] = field(default_factory=dict)  # loom name → why it starts at its computed value
 
 
 # ---------------------------------------------------------------- folders
@@ -135,13 +136,17 @@ class HFWeights:
         self.index = index = checkpoint_index(folder)
         expected = expected_tensors(module)
         prefix = detect_prefix(kind, index, where)
-        self.names = names = {n: hf_name(kind, n, prefix) for n in expected}
+        names = {n: hf_name(kind, n, prefix) for n in expected}
+        # a router's selection bias the folder lacks (Qwen3-MoE has none; the job turned balancing on) starts at 0
+        computed = {n: "a selection bias this folder's routers lack: starts at zero" for n, h in names.items()
+                    if n.endswith(".gate.e_score_correction_bias") and h not in index}
+        self.names = names = {n: h for n, h in names.items() if n not in computed}
         # stacked experts: one loom tensor [E, …] from E per-expert tensors (models/hf/stacked.py)
         self.stacked = {n: [hf_name(kind, e, prefix) for e in expert_names(n, expected[n][0])]
                         for n in expected if is_stacked(n)}
         on_disk = {h for n, h in names.items() if n not in self.stacked}
         on_disk |= {h for parts in self.stacked.values() for h in parts}
-        self.report = LoadReport(loaded=names)
+        self.report = LoadReport(loaded=names, computed=computed)
         for name in index:
             reason = skip_reason(kind, name, prefix, hf)
             if reason and name not in on_disk:
@@ -235,7 +240,8 @@ def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dty
 
 def resolve_pretrained_configs(m: ModelConfig) -> ModelConfig:
     """`m` with each module whose `hf` is set (the language model and the encoders in use) sized by its
-    folder's config.json. Sizes written in the job config for such a module are replaced, not compared."""
+    folder's config.json. Sizes written in the job config for such a module are replaced, not compared; the
+    LLM's training keys (`LLMConfig.TRAINING_KEYS`: init, expert kernel, router balancing and losses) are kept."""
     changes = {}
     for name in ("language", *m.encoders):
         cfg = getattr(m, name, None)  # an unknown encoder name is config.check_values()'s to report
@@ -245,7 +251,7 @@ def resolve_pretrained_configs(m: ModelConfig) -> ModelConfig:
             except HFError as e:
                 raise HFError(f"model.{name}.hf = {cfg.hf!r}: {e}") from None
             if name == "language":
-                new.init_std = cfg.init_std  # not an architecture field
+                new = dataclasses.replace(new, **{k: getattr(cfg, k) for k in LLMConfig.TRAINING_KEYS})
             changes[name] = new
     return dataclasses.replace(m, **changes)
 
