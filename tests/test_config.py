@@ -390,3 +390,12 @@ def test_default_job_is_a_heterogeneous_colocated_layout_on_four_ranks():
     assert placement.colocated
     degrees = {name: (lay.tp, lay.dp) for name, lay in placement.layouts.items()}
     assert degrees == {"vision": (2, 2), "audio": (1, 4), "language": (1, 4)}
+
+
+@pytest.mark.parametrize("scaling, parts", [
+    ('{rope_type="ntk"}', ["model.language.rope_scaling", "'ntk' is not supported", "yarn"]),
+    ('{rope_type="yarn", factor=4.0}', ["yarn scaling needs ['original_max_position_embeddings']"]),
+    ('{type="llama3", factor=8.0, low_freq_factor=1.0}', ["llama3", "'high_freq_factor'"]),
+])
+def test_rope_scaling_is_checked_before_the_model_is_built(scaling, parts):
+    _has_all(_error(f"--model.language.rope_scaling={scaling}"), *parts)

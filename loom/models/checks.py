@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from loom.models.experts import grouped_mm
+from loom.models.layers import rope_type
 from loom.models.llm import LLMConfig
 from loom.models.multimodal import ModelConfig
 from loom.typed_config import ConfigError, check_non_negative, check_positive
@@ -52,12 +53,33 @@ def check_language(lm: LLMConfig, tokenizer_vocab: int) -> None:
         )
     if lm.dim_per_head % 2 and not lm.latent:
         raise ConfigError(f"model.language head dim = {lm.dim_per_head} must be even for rotary embedding")
+    check_rope_scaling(lm)
     check_latent_attention(lm)
     check_experts(lm)
     if lm.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.language.vocab_size = {lm.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids"
         )
+
+
+# each rope type's keys that have no default (Hugging Face's names)
+ROPE_KEYS = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings")}
+
+
+def check_rope_scaling(lm: LLMConfig) -> None:
+    """model.language.rope_scaling: a known type with its keys, here rather than when the model is built."""
+    if lm.rope_scaling is None:
+        return
+    kind = rope_type(lm.rope_scaling)
+    if kind not in ROPE_KEYS:
+        raise ConfigError(f"model.language.rope_scaling: rope type {kind!r} is not supported; use one of "
+                          f"{sorted(ROPE_KEYS)}")
+    missing = [k for k in ROPE_KEYS[kind] if not isinstance(lm.rope_scaling.get(k), (int, float))]
+    if missing:
+        raise ConfigError(f"model.language.rope_scaling: {kind} scaling needs {missing} (numbers); it has "
+                          f"{lm.rope_scaling}")
 
 
 def check_latent_attention(lm: LLMConfig) -> None:
