@@ -74,7 +74,8 @@ class LatentAttention(nn.Module):
         """One query per row (`q` [rows, 1, heads, key]) over cached latent rows (`rows` [rows, keys, latent + rope],
         `mask` [rows, keys]) without expanding them: `kv_b_proj`'s key part folded into the queries and its value
         part applied after the weighted sum (DeepSeek's absorbed decode; the same scores and outputs up to
-        rounding). Returns [rows, 1, heads, value]."""
+        rounding). Returns [rows, 1, heads, value]. Generation runs on a whole copy of the model (no tp), so
+        `kv_b_proj`'s weight is every head's."""
         heads_w = self.kv_b_proj.weight.view(-1, self.nope + self.value_dim, self.kv_lora_rank)  # [heads, ·, latent]
         latent, k_rot = rows.split([self.kv_lora_rank, self.rope], -1)
         q_nope, q_rot = q[:, 0].split([self.nope, self.rope], -1)  # [rows, heads, ·]
