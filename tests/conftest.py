@@ -250,3 +250,18 @@ def user_data_overrides(root: Path, *extra: str) -> list[str]:
         tiny_chat_tokenizer(root / "tok")
     return [f"--model.tokenizer={root / 'tok'}", f'--data.sources=[{{path = "{jsonl}", weight = 1.0}}]',
             "--data.heldout_size=4", *extra]
+
+
+def exported_bit_for_bit(folder: Path, out: Path):
+    """loom's export of a Hugging Face folder's module, checked to write the folder's tensors bit for bit;
+    transformers' model read back from it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from loom.models.hf import build_pretrained, export_module
+
+    export_module(build_pretrained(folder), out)
+    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+    return AutoModelForCausalLM.from_pretrained(out)

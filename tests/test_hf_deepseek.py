@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
+from conftest import exported_bit_for_bit
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
@@ -88,11 +88,7 @@ def test_logits_equal_transformers(saved):
 
 def test_export_round_trip_is_exact(saved, tmp_path):
     ref, folder = saved
-    out = export_module(build_pretrained(folder), tmp_path / "out")
-    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], v) for k, v in original.items())
-    back = AutoModelForCausalLM.from_pretrained(out)
+    back = exported_bit_for_bit(folder, tmp_path / "out")
     assert type(back) is type(ref)
     assert back.config.q_lora_rank == ref.config.q_lora_rank
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))

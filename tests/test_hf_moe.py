@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import exported_bit_for_bit
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import HFWeights, build_pretrained, export_module  # noqa: E402
@@ -78,11 +79,7 @@ def test_disk_has_per_expert_names_and_loom_reads_any_experts_part(saved):
 
 def test_export_round_trip_is_exact(saved, tmp_path):
     ref, folder = saved
-    out = export_module(build_pretrained(folder), tmp_path / "out")
-    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], v) for k, v in original.items())
-    back = AutoModelForCausalLM.from_pretrained(out)
+    back = exported_bit_for_bit(folder, tmp_path / "out")
     assert type(back) is Qwen3MoeForCausalLM and back.config.norm_topk_prob == ref.config.norm_topk_prob
     assert all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
 
