@@ -22,8 +22,9 @@ from transformers import (  # noqa: E402
 )
 
 from loom.data.spans import TokenSpans  # noqa: E402
-from loom.models.hf import build_pretrained, export_module  # noqa: E402
+from loom.models.hf import HFWeights, build_pretrained, export_module  # noqa: E402
 from loom.models.hf.mapping import HFError  # noqa: E402
+from loom.models.llm import DecoderLM  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 272
@@ -96,8 +97,8 @@ def test_export_round_trip_is_exact(saved, tmp_path):
         assert torch.equal(back(ids).logits, ref(ids).logits)
 
 
-def test_multi_token_prediction_layers_are_skipped_and_fp8_folders_refused(tmp_path):
-    """DeepSeek-V3's folders hold a layer after the last (its multi-token-prediction module) and fp8 weights."""
+def test_multi_token_prediction_layers_are_skipped_and_other_quantizations_refused(tmp_path):
+    """DeepSeek-V3's folders hold a layer after the last (its multi-token-prediction module)."""
     _, folder = _saved("v3-q-lora-interleaved-yarn", tmp_path / "v3")
     tmp_path = tmp_path / "edited"
     tmp_path.mkdir()
@@ -111,8 +112,8 @@ def test_multi_token_prediction_layers_are_skipped_and_fp8_folders_refused(tmp_p
     (tmp_path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 0}))
     with pytest.raises(HFError, match="unexpected tensors.*layers.3.eh_proj"):
         build_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(HFError, match="quantized weights.*fp8"):
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(HFError, match="quantization .*'awq'.* is not supported"):
         build_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**hf, "scoring_func": "softmax"}))
     with pytest.raises(HFError, match="scoring_func"):
@@ -132,3 +133,53 @@ def test_a_layout_of_routing_no_deepseek_config_says_is_refused_on_export(tmp_pa
     lm.cfg.router_group_score = "top2_sum"  # V2 scores a group by its best expert
     with pytest.raises(HFError, match=r"'router_group_score': 'top2_sum'.*DeepSeek-V2"):
         export_module(lm, tmp_path / "out")
+
+
+def _quantized(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek's block-wise fp8: (float8 weight, one factor per block, the dequantized weight) — each element
+    times the factor at [row // block, col // block]."""
+    rows, cols = w.shape
+    factors = torch.empty(-(-rows // block), -(-cols // block))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(factors.shape[0]):
+        for j in range(factors.shape[1]):
+            part = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            factors[i, j] = part.abs().max() / 448  # float8_e4m3fn's largest value
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (part / factors[i, j]).to(q.dtype)
+    return q, factors, q.float() * factors[torch.arange(rows)[:, None] // block, torch.arange(cols)[None] // block]
+
+
+def test_an_fp8_folder_is_read_dequantized_a_box_at_a_time(tmp_path):
+    """DeepSeek-V3 ships its Linear weights in float8 with a factor per 128 × 128 block (here 16 × 16, so the last
+    blocks are cut short: 88, 40, 24 rows or columns): loom reads each weight times its blocks' factors, also a box
+    that starts inside a block, and the stacked experts' boxes."""
+    _, folder = _saved("v3-q-lora-interleaved-yarn", tmp_path / "v3")
+    tensors, stored, want = load_file(folder / "model.safetensors"), {}, {}
+    for name, w in tensors.items():
+        if name.endswith("proj.weight"):  # every Linear but the embedding, the head and the routers
+            stored[name], stored[name + "_scale_inv"], want[name] = _quantized(w, 16)
+        else:
+            stored[name] = want[name] = w
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((folder / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**hf, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}}))
+    lm = build_pretrained(fp8)
+    exported = load_file(export_module(lm, tmp_path / "out") / "model.safetensors")
+    assert exported.keys() == want.keys()
+    assert all(torch.equal(exported[k], v) for k, v in want.items())
+    assert not torch.equal(want["model.layers.0.self_attn.kv_b_proj.weight"],
+                           tensors["model.layers.0.self_attn.kv_b_proj.weight"])  # fp8 rounds: the read is not a copy
+    with torch.device("meta"):
+        meta = DecoderLM(lm.cfg)
+    w = HFWeights(fp8, meta)
+    try:
+        part = w.read("layers.0.self_attn.kv_b_proj.weight", (slice(5, 37), slice(3, 15)))
+        experts = w.read("layers.2.mlp.experts.up_proj", (slice(2, 5), slice(3, 30), slice(7, 50)))
+    finally:
+        w.close()
+    assert torch.equal(part, want["model.layers.0.self_attn.kv_b_proj.weight"][5:37, 3:15])
+    assert torch.equal(experts, torch.stack([want[f"model.layers.2.mlp.experts.{e}.up_proj.weight"][3:30, 7:50]
+                                             for e in range(2, 5)]))

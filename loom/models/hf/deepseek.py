@@ -24,9 +24,6 @@ _V2_TOPK = ("greedy", "group_limited_greedy")
 
 def deepseek_keys(hf: dict, family: str, where: str) -> dict:
     """The attention and expert keys of a DeepSeek config, absent ones at transformers' defaults."""
-    if hf.get("quantization_config"):
-        raise HFError(f"{where}: quantized weights ({hf['quantization_config'].get('quant_method', '?')}) are not "
-                      f"supported: convert the folder to bf16 first (DeepSeek's fp8_cast_bf16.py)")
     v3 = family == "deepseek_v3"
     experts = hf.get("n_routed_experts", 256 if v3 else 64) or 0
     keys = dict(

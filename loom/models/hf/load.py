@@ -21,6 +21,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from loom.models.audio import AudioEncoder
+from loom.models.hf.fp8 import SCALES, dequantized, weight_blocks
 from loom.models.hf.mapping import HFError, config_from_hf, detect_prefix, hf_name, kind_of, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
@@ -134,6 +135,7 @@ class HFWeights:
         hf = read_hf_config(folder)
         _check_kind(hf, kind, where)
         self.index = index = checkpoint_index(folder)
+        self.blocks = weight_blocks(hf, where)  # block-quantized fp8 weights are read dequantized
         expected = expected_tensors(module)
         prefix = detect_prefix(kind, index, where)
         names = {n: hf_name(kind, n, prefix) for n in expected}
@@ -149,6 +151,8 @@ class HFWeights:
         self.report = LoadReport(loaded=names, computed=computed)
         for name in index:
             reason = skip_reason(kind, name, prefix, hf)
+            if self.blocks and name.endswith(SCALES) and name.removesuffix(SCALES) in index:
+                reason = "fp8 block factors, applied when their weight is read"
             if reason and name not in on_disk:
                 self.report.skipped[name] = reason
         missing = [f"{h} (for {n})" for n in names for h in self.stacked.get(n, [names[n]]) if h not in index]
@@ -184,13 +188,16 @@ class HFWeights:
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor `name` (the module's own name), or only its part `box` (one slice per dim)."""
+        box = box or tuple(slice(0, n) for n in self.shapes[name])
         if name in self.stacked:  # the experts box[0] selects, each read only in its box
-            parts = self.stacked[name]
-            box = box or tuple(slice(0, n) for n in self.shapes[name])
-            return torch.stack([self._open(self.index[h]).get_slice(h)[box[1:]] for h in parts[box[0]]])
-        h = self.names[name]
+            return torch.stack([self._read(h, box[1:]) for h in self.stacked[name][box[0]]])
+        return self._read(self.names[name], box)
+
+    def _read(self, h: str, box: tuple[slice, ...]) -> torch.Tensor:
         part = self._open(self.index[h]).get_slice(h)
-        return part[:] if box is None or not box else part[box]
+        if self.blocks and h + SCALES in self.index:
+            return dequantized(part, self._open(self.index[h + SCALES]).get_slice(h + SCALES), box, self.blocks)
+        return part[box] if box else part[:]
 
     def _open(self, path: Path):
         if path not in self._handles:  # each shard file opened once

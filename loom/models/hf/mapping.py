@@ -19,6 +19,7 @@ import re
 from loom.models.audio import AudioConfig
 from loom.models.hf.deepseek import FAMILIES as DEEPSEEK, deepseek_family, deepseek_keys, deepseek_to_hf
 from loom.models.hf.errors import HFError
+from loom.models.hf.fp8 import weight_blocks
 from loom.models.hf.qwen3_moe import check_qwen3_moe, qwen3_moe_keys, qwen3_moe_to_hf
 from loom.models.llm import LLMConfig
 from loom.models.vision import VisionConfig
@@ -76,6 +77,7 @@ def kind_of(hf: dict, where: str) -> str:
 def config_from_hf(hf: dict, where: str, folder: str = "") -> LLMConfig | VisionConfig | AudioConfig:
     """The loom config of the module that config.json `hf` describes; `folder` is recorded in its `hf`."""
     mt = model_type(hf, where)
+    weight_blocks(hf, where)  # a quantization loom cannot read is refused here, before any weight is
     if MODEL_TYPES[mt] == "language":
         return _llm_config(hf, mt, where, folder)
     if MODEL_TYPES[mt] == "vision":
