@@ -18,6 +18,11 @@ MLA = ["--model.language.kv_lora_rank=32", "--model.language.q_lora_rank=48", "-
        '--model.language.rope_scaling={rope_type="yarn", factor=4.0, original_max_position_embeddings=64, '
        'mscale=1.0, mscale_all_dim=1.0}']
 SP = ["--layout.language.sequence_parallel=true"]
+DEEPSEEK_MOE = ["--model.language.num_experts=8", "--model.language.num_experts_per_tok=2",
+                "--model.language.moe_intermediate_size=32", "--model.language.first_k_dense_replace=1",
+                "--model.language.router_score=sigmoid", "--model.language.n_group=4", "--model.language.topk_group=2",
+                "--model.language.n_shared_experts=1", "--model.language.routed_scaling_factor=2.5",
+                "--model.language.router_bias_update_rate=0.01"]
 LAYOUTS = {
     # the heads split over tp: the shared rotary key's gradient summed over the tp ranks (parallel/tensor.py
     # SharedRotaryKey); under SP the down-projections read the gathered tokens as plain tensors; each block compiled
@@ -28,6 +33,10 @@ LAYOUTS = {
     "cp2xtp2-sp-fan-in": (4, ["--layout.language.cp=2", "--layout.language.tp=2", "--layout.vision.tp=1",
                               "--data.pad_to_multiple=8"] + SP),
     "pp2-1f1b-m2": (2, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
+    # DeepSeek-V3 as a whole: latent attention with sigmoid-routed experts in groups and a shared expert, split
+    # over ep2 beside tp2 + SP, vision dp4 fanning in
+    "deepseek-moe-ep2-tp2-sp-fan-in": (4, DEEPSEEK_MOE + ["--layout.language.ep=2", "--layout.language.tp=2",
+                                                          "--layout.vision.tp=1", "--data.pad_to_multiple=2"] + SP),
 }
 
 
