@@ -17,18 +17,33 @@ from loom.data.packing import pack_samples
 from loom.data.sample import Sample
 from loom.models.multimodal import build_model
 from loom.rl.sampler import Sampler, SamplingParams, pick
-from loom.train.evaluate import answer_span, greedy_generate
+from loom.data.batch import gather_modality_inputs
+from loom.train.evaluate import prompt_of
 
 
-def _prompts(samples: list[Sample]) -> list[Sample]:
-    """Each sample cut before its answer: the prompt with its images and clips."""
-    return [Sample(s.tokens[:answer_span(s)[0]], [False] * answer_span(s)[0], s.images, s.audio, s.task)
-            for s in samples]
+@torch.no_grad()
+def greedy_generate(model, prompts: list[list[int]], samples: list[Sample], tok, max_new_tokens: int
+                    ) -> list[list[int]]:
+    """The reference: greedy decoding without a cache, the whole prefix re-run for every new token. The encoders
+    run once; their embeddings fill the placeholders at every step."""
+    embeds = model.encode(gather_modality_inputs(samples))
+    seqs = [list(p) for p in prompts]
+    done = [False] * len(seqs)
+    for _ in range(max_new_tokens):
+        batch = pack_samples([Sample(s, [False] * len(s), [], []) for s in seqs], tok.pad_id)
+        logits = model.language(batch.input_ids, batch.positions, batch.spans, model.inserts(batch.input_ids, embeds))
+        for i, t in enumerate(logits[batch.spans.cu_seqlens[1:].long() - 1].argmax(-1).tolist()):
+            if not done[i]:
+                seqs[i].append(t)
+                done[i] = t == tok.eos_id
+        if all(done):
+            break
+    return [s[len(p):] for s, p in zip(seqs, prompts)]
 
 
 @pytest.fixture
 def prompts(mixed_samples):
-    return _prompts([s for s in mixed_samples if any(s.supervised)])
+    return [prompt_of(s) for s in mixed_samples if any(s.supervised)]
 
 
 # DeepSeek-V3's shape of attention, small: a query bottleneck, a latent, values narrower than keys (12 + 6 wide)
@@ -59,7 +74,7 @@ def model(request, tiny_model, tok):
 def test_greedy_with_the_cache_equals_regenerating_the_prefix(model, tok, prompts, compile_backend):
     sampler = Sampler(model, tok.eos_id, tok.pad_id, compile_backend=compile_backend)
     got = sampler.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0), torch.Generator())
-    want = greedy_generate(model, [p.tokens for p in prompts], prompts, tok, torch.device("cpu"), 12)
+    want = greedy_generate(model, [p.tokens for p in prompts], prompts, tok, 12)
     assert [c.tokens for c in got] == want
     assert len({len(p) for p in prompts}) > 1  # prompts of different lengths share the batch
 

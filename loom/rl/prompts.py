@@ -17,7 +17,7 @@ from loom.data.conversations import BadSample, ConversationFile, json_record, pa
 from loom.data.format import TokenCounter
 from loom.data.sample import Sample, sequences_of
 from loom.rl.rollouts import Prompt
-from loom.train.evaluate import answer_span
+from loom.train.evaluate import answer_span, prompt_of
 
 
 class TrainingPrompts(Sequence):
@@ -30,9 +30,8 @@ class TrainingPrompts(Sequence):
     def __getitem__(self, i: int) -> Prompt:
         s = sequences_of(self.samples[i])[0]
         start, end = answer_span(s)
-        prompt = Sample(s.tokens[:start], [False] * start, s.images, s.audio, s.task, s.where)
         record = {"task": s.task, "answer": self.tok.decode(s.tokens[start:end])}
-        return Prompt(prompt, record, s.where or f"task {s.task!r}, sample {i}")
+        return Prompt(prompt_of(s), record, s.where or f"task {s.task!r}, sample {i}")
 
 
 class JsonlPrompts(Sequence):

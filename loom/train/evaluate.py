@@ -1,4 +1,5 @@
-"""Held-out evaluation: teacher-forced token accuracy and exact match of greedily generated answers."""
+"""Held-out evaluation: teacher-forced token accuracy and exact match of greedily generated answers (the RL
+sampler's KV-cached decoding at temperature 0: each new token attends to cached keys, not a re-run prefix)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ from collections import defaultdict
 
 import torch
 
-from loom.data.batch import IGNORE_INDEX, gather_modality_inputs
+from loom.data.batch import IGNORE_INDEX
 from loom.data.packing import pack_samples
 from loom.data.sample import Sample
 from loom.data.tasks import CHANCE
 from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
+from loom.rl.sampler import Sampler, SamplingParams
 
 
 def answer_span(sample: Sample) -> tuple[int, int]:
@@ -22,6 +24,12 @@ def answer_span(sample: Sample) -> tuple[int, int]:
     while start > 0 and sample.supervised[start - 1]:
         start -= 1
     return start, end
+
+
+def prompt_of(sample: Sample) -> Sample:
+    """`sample` cut where its answer starts (`answer_span`): the tokens and media generation starts from."""
+    start, _ = answer_span(sample)
+    return Sample(sample.tokens[:start], [False] * start, sample.images, sample.audio, sample.task, sample.where)
 
 
 @torch.no_grad()
@@ -39,6 +47,7 @@ def evaluate(
     (at most `max_new_tokens`) begin with the sample's answer (`answer_span`)."""
     was_training = model.training
     model.eval()
+    sampler = Sampler(model, tok.eos_id, tok.pad_id, backend)
     hits, correct, total, per_task = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
@@ -48,8 +57,8 @@ def evaluate(
         spans = [answer_span(s) for s in chunk]
         answers = [s.tokens[a:b] for s, (a, b) in zip(chunk, spans)]
         n_new = min(max_new_tokens, max(map(len, answers)))
-        generated = greedy_generate(model, [s.tokens[:a] for s, (a, _) in zip(chunk, spans)], chunk, tok, device,
-                                    n_new, backend)
+        greedy = SamplingParams(max_new_tokens=n_new, temperature=0)
+        generated = [c.tokens for c in sampler.generate([prompt_of(s) for s in chunk], greedy, torch.Generator())]
         for s, answer, out in zip(chunk, answers, generated):
             hits[s.task] += out[: len(answer)] == answer
             per_task[s.task] += 1
@@ -71,36 +80,6 @@ def _teacher_forced(model, samples: list[Sample], tok, device, backend) -> list[
     supervised = batch.labels != IGNORE_INDEX
     bounds = batch.spans.cu_seqlens.tolist()
     return [(int(right[a:b].sum()), int(supervised[a:b].sum())) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-@torch.no_grad()
-def greedy_generate(
-    model: MultimodalModel,
-    prompts: list[list[int]],
-    samples: list[Sample],
-    tok: Vocabulary,
-    device: torch.device,
-    max_new_tokens: int,
-    backend: str = "auto",
-) -> list[list[int]]:
-    """Greedy decoding without a KV cache (re-runs the prefix each token: fine at evaluation sizes).
-    The encoders run once; their embeddings fill the placeholders at every step."""
-    embeds = model.encode({k: [t.to(device) for t in v] for k, v in gather_modality_inputs(samples).items()})
-    seqs = [list(p) for p in prompts]
-    done = [False] * len(seqs)
-    for _ in range(max_new_tokens):
-        as_samples = [Sample(s, [False] * len(s), [], []) for s in seqs]
-        batch = pack_samples(as_samples, tok.pad_id, backend=backend).to(device)
-        logits = model.language(batch.input_ids, batch.positions, batch.spans, model.inserts(batch.input_ids, embeds))
-        last = batch.spans.cu_seqlens[1:].long() - 1
-        next_ids = logits[last].argmax(-1).tolist()
-        for i, t in enumerate(next_ids):
-            if not done[i]:
-                seqs[i].append(t)
-                done[i] = t == tok.eos_id
-        if all(done):
-            break
-    return [s[len(p) :] for s, p in zip(seqs, prompts)]
 
 
 def heldout_report(metrics: dict[str, float], seconds: float | None = None) -> str:
