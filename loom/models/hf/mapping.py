@@ -21,6 +21,7 @@ from loom.models.hf.deepseek import FAMILIES as DEEPSEEK, deepseek_family, deeps
 from loom.models.hf.errors import HFError
 from loom.models.hf.fp8 import weight_blocks
 from loom.models.hf.qwen3_moe import check_qwen3_moe, qwen3_moe_keys, qwen3_moe_to_hf
+from loom.models.hf.rope import rope_from_hf, rope_to_hf
 from loom.models.llm import LLMConfig
 from loom.models.vision import VisionConfig
 
@@ -46,8 +47,6 @@ ARCHITECTURES = {
     "siglip": {"SiglipModel", "SiglipVisionModel"},
     "whisper": {"WhisperForConditionalGeneration", "WhisperModel", "WhisperEncoder"},
 }
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 WHISPER_LAYER_NORM_EPS = 1e-5  # fixed in Whisper (nn.LayerNorm default), not in its config
 
 
@@ -107,7 +106,7 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
     sliding = _sliding_layers(hf)
     if sliding:
         _reject(where, f"sliding-window attention (layers {sliding})", "loom attends over the whole sample")
-    theta, scaling = _rope(hf, where)
+    theta, scaling = rope_from_hf(hf, where)
     heads = hf["num_attention_heads"]
     qwen3 = mt in ("qwen3", "qwen3_moe")
     default_head_dim = 128 if qwen3 else hf["hidden_size"] // heads  # Qwen3Config's default is 128
@@ -143,48 +142,6 @@ def _sliding_layers(hf: dict) -> list[int]:
         first = hf.get("max_window_layers", 0)
         return list(range(first, hf["num_hidden_layers"]))
     return []
-
-
-def _rope(hf: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, loom rope_scaling) from either format: transformers 4 (`rope_theta` + `rope_scaling`)
-    or 5 (`rope_parameters` holding both). As in transformers, `rope_scaling` wins when both are present."""
-    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        _reject(where, "rope parameters per layer type", "loom uses one rotary embedding for every layer")
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        _reject(where, f"partial_rotary_factor = {partial}", "loom rotates the whole head dimension")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        _reject(where, f"rope type {kind!r}", f"loom implements {list(ROPE_TYPES)}")
-    if kind == "default":
-        return theta, None
-    if kind == "linear":
-        if "factor" not in params:
-            raise HFError(f"{where}: linear rope scaling lacks 'factor'")
-        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
-    original = (  # where transformers looks for it, in its order
-        hf.get("original_max_position_embeddings")
-        or params.get("original_max_position_embeddings")
-        or hf.get("max_position_embeddings")
-    )
-    if kind == "yarn":
-        factor = params.get("factor") or (hf.get("max_position_embeddings") or 0) / (original or 1)
-        if not original or not factor:
-            raise HFError(f"{where}: yarn rope scaling lacks 'factor' and 'original_max_position_embeddings'")
-        return theta, {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
-                       **{k: params[k] for k in YARN_KEYS if params.get(k) is not None}}
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
-    if missing or not original:
-        raise HFError(f"{where}: llama3 rope scaling lacks {missing or ['original_max_position_embeddings']}")
-    return theta, {
-        "rope_type": "llama3",
-        "factor": float(params["factor"]),
-        "low_freq_factor": float(params["low_freq_factor"]),
-        "high_freq_factor": float(params["high_freq_factor"]),
-        "original_max_position_embeddings": int(original),
-    }
 
 
 SIGLIP_ACTS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -265,14 +222,6 @@ def llm_family(cfg: LLMConfig) -> str:
 
 def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
     mt = llm_family(cfg)
-    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise HFError(f"language: rope type {kind!r} cannot be exported; loom implements {list(ROPE_TYPES)}")
-    # loom does not model max_position_embeddings (it does not change the numerics of these rope types)
-    max_pos = 32768
-    if scaling and "original_max_position_embeddings" in scaling:
-        max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"])
     out = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -286,13 +235,9 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.dim_per_head,
         "hidden_act": "silu",
-        "max_position_embeddings": max_pos,
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        # both rope formats: transformers 4 reads rope_theta + rope_scaling, 5 reads rope_parameters
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": {"rope_type": kind, "rope_theta": cfg.rope_theta, **(scaling or {})},
+        **rope_to_hf(cfg),
         "dtype": _dtype_name(dtype),
         "torch_dtype": _dtype_name(dtype),
     }
