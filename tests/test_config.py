@@ -399,3 +399,10 @@ def test_default_job_is_a_heterogeneous_colocated_layout_on_four_ranks():
 ])
 def test_rope_scaling_is_checked_before_the_model_is_built(scaling, parts):
     _has_all(_error(f"--model.language.rope_scaling={scaling}"), *parts)
+
+
+def test_partial_rotary_factor_is_a_share_with_an_even_count_of_rotated_dims():
+    _has_all(_error("--model.language.partial_rotary_factor=0"), "partial_rotary_factor = 0", "(0, 1]")
+    # head dim 32 × 0.25 = 8 rotated dims is fine; × 0.125 = 4 too; 32 × 0.1875 = 6; 32 × 0.15625 = 5 is odd
+    assert load_config(None, ["--model.language.partial_rotary_factor=0.25"]).model.language.rope_dim == 8
+    _has_all(_error("--model.language.partial_rotary_factor=0.15625"), "rotated dims", "= 5", "even")

@@ -42,6 +42,11 @@ LAYOUTS = {
                               '--layout.vision.ranks="0-1"', '--layout.audio.ranks="0-1"']),
     "ep2-pp2xdp2": (4, ["--layout.language.ep=2", "--layout.language.pp=2", "--train.microbatches=2", TOKENS,
                         "--layout.vision.tp=1", "--layout.audio.tp=1"]),  # each stage its own EP group
+    # GLM-4.5's shape: rotary on the first half of each head, q/k/v bias and QK-norm, DeepSeek-V3's routing; cp×tp
+    "glm-cp2xtp2-sp": (4, DEEPSEEK + ["--model.language.partial_rotary_factor=0.5", "--model.language.qk_norm=true",
+                                      "--model.language.attention_bias=true", "--layout.language.cp=2",
+                                      "--layout.language.tp=2", "--layout.language.sequence_parallel=true",
+                                      "--data.pad_to_multiple=8"]),
 }
 
 

@@ -51,8 +51,11 @@ def check_language(lm: LLMConfig, tokenizer_vocab: int) -> None:
             f"model.language.hidden_size = {lm.hidden_size} is not divisible by num_heads = {lm.num_heads}; "
             f"set model.language.head_dim explicitly"
         )
-    if lm.dim_per_head % 2 and not lm.latent:
-        raise ConfigError(f"model.language head dim = {lm.dim_per_head} must be even for rotary embedding")
+    if not 0 < lm.partial_rotary_factor <= 1:
+        raise ConfigError(f"model.language.partial_rotary_factor = {lm.partial_rotary_factor} must be in (0, 1]")
+    if lm.rope_dim % 2 and not lm.latent:
+        what = "head dim" if lm.partial_rotary_factor == 1 else "rotated dims (head dim × partial_rotary_factor)"
+        raise ConfigError(f"model.language {what} = {lm.rope_dim} must be even for rotary embedding")
     check_rope_scaling(lm)
     check_latent_attention(lm)
     check_experts(lm)
@@ -101,6 +104,9 @@ def check_latent_attention(lm: LLMConfig) -> None:
         raise ConfigError(f"{key}.num_kv_heads = {lm.num_kv_heads} must equal num_heads = {lm.num_heads} under "
                           f"multi-head latent attention (kv_lora_rank = {lm.kv_lora_rank}): every head expands its "
                           f"own key and value from the latent")
+    if lm.partial_rotary_factor != 1:
+        raise ConfigError(f"{key}.partial_rotary_factor = {lm.partial_rotary_factor} has no meaning under multi-head "
+                          f"latent attention: qk_rope_head_dim = {lm.qk_rope_head_dim} says which dims rotate")
     if lm.qk_norm:
         raise ConfigError(f"{key}.qk_norm has no meaning under multi-head latent attention (kv_lora_rank = "
                           f"{lm.kv_lora_rank}): its latents have norms of their own")

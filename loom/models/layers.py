@@ -114,7 +114,11 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates [..., heads, head_dim] with the half-split convention of Llama/Qwen checkpoints."""
+    """Rotates [..., heads, head_dim] with the half-split convention of Llama/Qwen checkpoints; a table narrower
+    than the head rotates its first dims only, the rest passing through (GLM-4.5's partial rotary)."""
+    if cos.shape[-1] < x.shape[-1]:
+        dims = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :dims], cos, sin), x[..., dims:]], -1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     # in x's dtype: under autocast q/k are bf16 while the table follows fp32 hidden states; promoting q/k

@@ -35,6 +35,7 @@ class LLMConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # as in HF configs: {"rope_type": "llama3", "factor": 8.0, ...}
+    partial_rotary_factor: float = 1.0  # the share of each head's dims rotated, the first ones (GLM-4.5: 0.5)
     tie_embeddings: bool = True
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head before RoPE
@@ -92,7 +93,7 @@ class LLMConfig:
     @property
     def rope_dim(self) -> int:
         """The rotated dims of a head's query and key."""
-        return self.qk_rope_head_dim if self.latent else self.dim_per_head
+        return self.qk_rope_head_dim if self.latent else int(self.dim_per_head * self.partial_rotary_factor)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) has a mixture-of-experts MLP: Qwen3-MoE's and DeepSeek-V3's rules."""

@@ -1,8 +1,9 @@
 """What a Hugging Face checkpoint means to loom: config.json ↔ loom config, tensor names ↔ loom names.
 
 Three kinds of module, named as loom's modules are:
-- ``language``: Llama 3.x (``llama``), Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``),
-  DeepSeek-V2 and -V3 (``deepseek_v2``, ``deepseek_v3``: latent attention, routed experts) causal LMs → DecoderLM;
+- ``language``: Llama 3.x (``llama``), Mistral (``mistral``, without a sliding window), Qwen2/Qwen2.5 (``qwen2``),
+  Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``), GLM-4.5 (``glm4_moe``), DeepSeek-V2 and -V3 (``deepseek_v2``,
+  ``deepseek_v3``: latent attention, routed experts) causal LMs → DecoderLM;
 - ``vision``: a SigLIP vision tower (``siglip_vision_model``, or the vision half of ``siglip``) → VisionEncoder;
 - ``audio``: a Whisper encoder (``whisper``: WhisperForConditionalGeneration, WhisperModel or WhisperEncoder)
   → AudioEncoder.
@@ -20,6 +21,7 @@ from loom.models.audio import AudioConfig
 from loom.models.hf.deepseek import FAMILIES as DEEPSEEK, deepseek_family, deepseek_keys, deepseek_to_hf
 from loom.models.hf.errors import HFError
 from loom.models.hf.fp8 import weight_blocks
+from loom.models.hf.glm4_moe import PARTIAL_ROTARY_DEFAULT, check_glm4_moe, glm4_moe_keys, glm4_moe_to_hf
 from loom.models.hf.qwen3_moe import check_qwen3_moe, qwen3_moe_keys, qwen3_moe_to_hf
 from loom.models.hf.rope import rope_from_hf, rope_to_hf
 from loom.models.llm import LLMConfig
@@ -27,20 +29,28 @@ from loom.models.vision import VisionConfig
 
 MODEL_TYPES = {
     "llama": "language",
+    "mistral": "language",
     "qwen2": "language",
     "qwen3": "language",
     "qwen3_moe": "language",
+    "glm4_moe": "language",
     "deepseek_v2": "language",
     "deepseek_v3": "language",
     "siglip_vision_model": "vision",
     "siglip": "vision",
     "whisper": "audio",
 }
+# what `loom export` writes for each family (a Mistral exports as the Llama it is without a window)
+CAUSAL_LMS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+              "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 ARCHITECTURES = {
     "llama": {"LlamaForCausalLM", "LlamaModel"},
+    "mistral": {"MistralForCausalLM", "MistralModel"},
     "qwen2": {"Qwen2ForCausalLM", "Qwen2Model"},
     "qwen3": {"Qwen3ForCausalLM", "Qwen3Model"},
     "qwen3_moe": {"Qwen3MoeForCausalLM", "Qwen3MoeModel"},
+    "glm4_moe": {"Glm4MoeForCausalLM", "Glm4MoeModel"},
     "deepseek_v2": {"DeepseekV2ForCausalLM", "DeepseekV2Model"},
     "deepseek_v3": {"DeepseekV3ForCausalLM", "DeepseekV3Model"},
     "siglip_vision_model": {"SiglipVisionModel"},
@@ -99,14 +109,13 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
               where)
     if hf.get("hidden_act", "silu") != "silu":
         _reject(where, f"hidden_act = {hf['hidden_act']!r}", "loom's MLP is SwiGLU (silu)")
-    if mt in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):  # DeepSeek-V3's: its own modules
+    if mt in ("llama", "mistral", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
         _reject(where, "attention_bias = true", f"{mt} then adds a bias to o_proj too, and loom's o_proj has none")
     if hf.get("mlp_bias"):
         _reject(where, "mlp_bias = true", "loom's MLP projections have no bias")
     sliding = _sliding_layers(hf)
     if sliding:
         _reject(where, f"sliding-window attention (layers {sliding})", "loom attends over the whole sample")
-    theta, scaling = rope_from_hf(hf, where)
     heads = hf["num_attention_heads"]
     qwen3 = mt in ("qwen3", "qwen3_moe")
     default_head_dim = 128 if qwen3 else hf["hidden_size"] // heads  # Qwen3Config's default is 128
@@ -119,8 +128,7 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
         head_dim=hf.get("head_dim") or default_head_dim,
         intermediate_size=hf["intermediate_size"],
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        **rope_from_hf(hf, where, PARTIAL_ROTARY_DEFAULT if mt == "glm4_moe" else 1.0),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=mt == "qwen2",  # Qwen2 always has q/k/v bias (and never o_proj bias)
         qk_norm=qwen3,
@@ -128,16 +136,20 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
     )
     if mt == "qwen3_moe":
         keys.update(qwen3_moe_keys(hf))
+    if mt == "glm4_moe":
+        keys.update(glm4_moe_keys(hf))
     if mt in DEEPSEEK:
         keys.update(deepseek_keys(hf, mt, where))
     return LLMConfig(**keys)
 
 
 def _sliding_layers(hf: dict) -> list[int]:
-    """Layers that attend in a sliding window, by the rules of Qwen2/Qwen3 configs."""
+    """Layers that attend in a sliding window, by the rules of Qwen2/Qwen3 and Mistral configs."""
     types = hf.get("layer_types")
     if types:
         return [i for i, t in enumerate(types) if t != "full_attention"]
+    if hf.get("model_type") == "mistral" and hf.get("sliding_window"):  # Mistral's window is on when set
+        return list(range(hf["num_hidden_layers"]))
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
         first = hf.get("max_window_layers", 0)
         return list(range(first, hf["num_hidden_layers"]))
@@ -209,6 +221,12 @@ def config_to_hf(kind: str, cfg, dtype) -> dict:
 def llm_family(cfg: LLMConfig) -> str:
     if cfg.latent:
         return deepseek_family(cfg)
+    if cfg.num_experts and cfg.router_score == "sigmoid":
+        check_glm4_moe(cfg)
+        return "glm4_moe"
+    if cfg.partial_rotary_factor != 1:
+        raise HFError(f"language: partial_rotary_factor = {cfg.partial_rotary_factor} exports only as GLM-4.5 "
+                      f"(glm4_moe), a mixture of experts with sigmoid routing (router_score = 'sigmoid')")
     if cfg.attention_bias and cfg.qk_norm:
         raise HFError(
             "language: attention_bias and qk_norm together have no Hugging Face counterpart "
@@ -223,9 +241,7 @@ def llm_family(cfg: LLMConfig) -> str:
 def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
     mt = llm_family(cfg)
     out = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                           "deepseek_v3": "DeepseekV3ForCausalLM"}[mt]],
+        "architectures": [CAUSAL_LMS[mt]],
         "model_type": mt,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -247,7 +263,9 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         out.update(qwen3_moe_to_hf(cfg))
     if mt in DEEPSEEK:
         out.update(deepseek_to_hf(cfg, mt))
-    if mt in ("llama", *DEEPSEEK):
+    if mt == "glm4_moe":
+        out.update(glm4_moe_to_hf(cfg))
+    if mt in ("llama", "glm4_moe", *DEEPSEEK):
         out["mlp_bias"] = False
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
@@ -348,8 +366,9 @@ def skip_reason(kind: str, name: str, prefix: str, hf: dict) -> str | None:
         if name.endswith(".rotary_emb.inv_freq"):
             return "rotary frequencies, recomputed from the config (older checkpoints saved them)"
         layer = re.match(rf"^{re.escape(prefix)}layers\.(\d+)\.", name)
-        if layer and hf.get("num_nextn_predict_layers") and int(layer.group(1)) >= hf["num_hidden_layers"]:
-            return "DeepSeek's multi-token-prediction layers (after the last layer), which loom does not train"
+        mtp = hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers")
+        if layer and mtp and int(layer.group(1)) >= hf["num_hidden_layers"]:
+            return "multi-token-prediction layers (DeepSeek's, GLM's: after the last layer), which loom does not train"
     elif kind == "vision":
         if name.startswith(prefix + "head."):
             return "SigLIP's attention-pooling head; VLMs use the patch features before it"

@@ -11,18 +11,24 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
-def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, loom rope_scaling) from either format: transformers 4 (`rope_theta` + `rope_scaling`)
-    or 5 (`rope_parameters` holding both). As in transformers, `rope_scaling` wins when both are present."""
+def rope_from_hf(hf: dict, where: str, partial_default: float = 1.0) -> dict:
+    """LLMConfig's rope_theta, rope_scaling and partial_rotary_factor from either format: transformers 4
+    (`rope_theta` + `rope_scaling`) or 5 (`rope_parameters` holding both). As in transformers, `rope_scaling` wins
+    when both are present. `partial_default`: the family's share of rotated dims when the config does not say."""
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", partial_default)))
+    if not 0 < partial <= 1:
+        raise HFError(f"{where}: partial_rotary_factor = {partial} is not supported: loom rotates a share in (0, 1] "
+                      f"of each head")
+    theta, scaling = _theta_and_scaling(hf, params, where)
+    return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial}
+
+
+def _theta_and_scaling(hf: dict, params: dict, where: str) -> tuple[float, dict | None]:
     if params and all(isinstance(v, dict) for v in params.values()):
         raise HFError(f"{where}: rope parameters per layer type are not supported: loom uses one rotary embedding "
                       f"for every layer")
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise HFError(f"{where}: partial_rotary_factor = {partial} is not supported: loom rotates the whole head "
-                      f"dimension")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise HFError(f"{where}: rope type {kind!r} is not supported: loom implements {list(ROPE_TYPES)}")
@@ -66,5 +72,6 @@ def rope_to_hf(cfg: LLMConfig) -> dict:
     max_pos = 32768
     if scaling and "original_max_position_embeddings" in scaling:
         max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"])
-    return {"max_position_embeddings": max_pos, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-            "rope_parameters": {"rope_type": kind, "rope_theta": cfg.rope_theta, **(scaling or {})}}
+    partial = {"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1 else {}
+    return {"max_position_embeddings": max_pos, "rope_theta": cfg.rope_theta, "rope_scaling": scaling, **partial,
+            "rope_parameters": {"rope_type": kind, "rope_theta": cfg.rope_theta, **(scaling or {}), **partial}}
