@@ -37,7 +37,7 @@ class LLMConfig:
     rope_scaling: dict | None = None  # as in HF configs: {"rope_type": "llama3", "factor": 8.0, ...}
     partial_rotary_factor: float = 1.0  # the share of each head's dims rotated, the first ones (GLM-4.5: 0.5)
     tie_embeddings: bool = True
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on q/k/v (Qwen2, GLM-4.5); latent attention: its down-projections and o_proj
     qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head before RoPE
     init_std: float = 0.02
     hf: str = ""  # Hugging Face folder to load this module from: its config.json replaces all but TRAINING_KEYS
