@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from loom.models.hf.load import MODULES, expected_tensors
-from loom.models.hf.mapping import EXPORT_PREFIXES, hf_name
+from loom.models.hf.names import EXPORT_PREFIXES, hf_name, names_family
 from loom.models.multimodal import ModelConfig
 from loom.parallel.tied import tied_copy_names
 
@@ -55,8 +55,9 @@ def stream_manifest(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, proj
         prefix = "language." if kind == "language" else f"{kind}.encoder."
         with torch.device("meta"):
             expected = expected_tensors(MODULES[kind](getattr(cfg, kind)))
+        family = names_family(kind, getattr(cfg, kind))
         for name, shape in expected.items():
-            out.append(StreamedTensor(kind, hf_name(kind, name, EXPORT_PREFIXES[kind]), shape, dtype,
+            out.append(StreamedTensor(kind, hf_name(kind, name, EXPORT_PREFIXES[kind], family), shape, dtype,
                                       prefix + name, owner[prefix + name]))
     for kind in cfg.encoders if projectors else ():
         prefix = f"{kind}.projector."

@@ -20,7 +20,8 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from loom.models.hf.load import MODULES, expected_tensors, module_kind
-from loom.models.hf.mapping import EXPORT_PREFIXES, HFError, config_to_hf, hf_name
+from loom.models.hf.mapping import HFError, config_to_hf
+from loom.models.hf.names import EXPORT_PREFIXES, hf_name
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.multimodal import ModelConfig
 from loom.typed_config import ConfigError, from_dict
@@ -48,13 +49,14 @@ def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir
                       f"shape mismatch {bad}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prefix = EXPORT_PREFIXES[kind]
+    prefix, family = EXPORT_PREFIXES[kind], hf["model_type"]
     on_disk = {}
     for n, t in tensors.items():
         if is_stacked(n):  # stacked experts are written one tensor per expert, as Hugging Face stores them
-            on_disk.update({hf_name(kind, e, prefix): t[i] for i, e in enumerate(expert_names(n, t.shape[0]))})
+            on_disk.update({hf_name(kind, e, prefix, family): t[i]
+                            for i, e in enumerate(expert_names(n, t.shape[0]))})
         else:
-            on_disk[hf_name(kind, n, prefix)] = t
+            on_disk[hf_name(kind, n, prefix, family)] = t
     save_file({h: t.detach().contiguous().cpu() for h, t in on_disk.items()}, out / "model.safetensors",
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -22,7 +22,8 @@ from safetensors import safe_open
 
 from loom.models.audio import AudioEncoder
 from loom.models.hf.fp8 import SCALES, dequantized, weight_blocks
-from loom.models.hf.mapping import HFError, config_from_hf, detect_prefix, hf_name, kind_of, skip_reason
+from loom.models.hf.mapping import HFError, config_from_hf, kind_of
+from loom.models.hf.names import detect_prefix, hf_name, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM, LLMConfig
@@ -138,13 +139,14 @@ class HFWeights:
         self.blocks = weight_blocks(hf, where)  # block-quantized fp8 weights are read dequantized
         expected = expected_tensors(module)
         prefix = detect_prefix(kind, index, where)
-        names = {n: hf_name(kind, n, prefix) for n in expected}
+        family = hf.get("model_type", "")
+        names = {n: hf_name(kind, n, prefix, family) for n in expected}
         # a router's selection bias the folder lacks (Qwen3-MoE has none; the job turned balancing on) starts at 0
         computed = {n: "a selection bias this folder's routers lack: starts at zero" for n, h in names.items()
                     if n.endswith(".gate.e_score_correction_bias") and h not in index}
         self.names = names = {n: h for n, h in names.items() if n not in computed}
         # stacked experts: one loom tensor [E, …] from E per-expert tensors (models/hf/stacked.py)
-        self.stacked = {n: [hf_name(kind, e, prefix) for e in expert_names(n, expected[n][0])]
+        self.stacked = {n: [hf_name(kind, e, prefix, family) for e in expert_names(n, expected[n][0])]
                         for n in expected if is_stacked(n)}
         on_disk = {h for n, h in names.items() if n not in self.stacked}
         on_disk |= {h for parts in self.stacked.values() for h in parts}

@@ -1,9 +1,10 @@
-"""What a Hugging Face checkpoint means to loom: config.json ↔ loom config, tensor names ↔ loom names.
+"""What a Hugging Face checkpoint's config.json means to loom: config.json ↔ loom config (its tensor names are
+names.py's).
 
 Three kinds of module, named as loom's modules are:
-- ``language``: Llama 3.x (``llama``), Mistral (``mistral``, without a sliding window), Qwen2/Qwen2.5 (``qwen2``),
-  Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``), GLM-4.5 (``glm4_moe``), DeepSeek-V2 and -V3 (``deepseek_v2``,
-  ``deepseek_v3``: latent attention, routed experts) causal LMs → DecoderLM;
+- ``language``: Llama 3.x (``llama``), Mistral and Mixtral (``mistral``, ``mixtral``, without a sliding window),
+  Qwen2/Qwen2.5 (``qwen2``), Qwen3 (``qwen3``), Qwen3-MoE (``qwen3_moe``), GLM-4.5 (``glm4_moe``), DeepSeek-V2
+  and -V3 (``deepseek_v2``, ``deepseek_v3``: latent attention, routed experts) causal LMs → DecoderLM;
 - ``vision``: a SigLIP vision tower (``siglip_vision_model``, or the vision half of ``siglip``) → VisionEncoder;
 - ``audio``: a Whisper encoder (``whisper``: WhisperForConditionalGeneration, WhisperModel or WhisperEncoder)
   → AudioEncoder.
@@ -15,13 +16,13 @@ is approximated. No transformers needed: the loader and the exporter share these
 from __future__ import annotations
 
 import math
-import re
 
 from loom.models.audio import AudioConfig
 from loom.models.hf.deepseek import FAMILIES as DEEPSEEK, deepseek_family, deepseek_keys, deepseek_to_hf
 from loom.models.hf.errors import HFError
 from loom.models.hf.fp8 import weight_blocks
 from loom.models.hf.glm4_moe import PARTIAL_ROTARY_DEFAULT, check_glm4_moe, glm4_moe_keys, glm4_moe_to_hf
+from loom.models.hf.mixtral import check_mixtral, mixtral_keys, mixtral_to_hf
 from loom.models.hf.qwen3_moe import check_qwen3_moe, qwen3_moe_keys, qwen3_moe_to_hf
 from loom.models.hf.rope import rope_from_hf, rope_to_hf
 from loom.models.llm import LLMConfig
@@ -30,6 +31,7 @@ from loom.models.vision import VisionConfig
 MODEL_TYPES = {
     "llama": "language",
     "mistral": "language",
+    "mixtral": "language",
     "qwen2": "language",
     "qwen3": "language",
     "qwen3_moe": "language",
@@ -42,11 +44,12 @@ MODEL_TYPES = {
 }
 # what `loom export` writes for each family (a Mistral exports as the Llama it is without a window)
 CAUSAL_LMS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 ARCHITECTURES = {
     "llama": {"LlamaForCausalLM", "LlamaModel"},
     "mistral": {"MistralForCausalLM", "MistralModel"},
+    "mixtral": {"MixtralForCausalLM", "MixtralModel"},
     "qwen2": {"Qwen2ForCausalLM", "Qwen2Model"},
     "qwen3": {"Qwen3ForCausalLM", "Qwen3Model"},
     "qwen3_moe": {"Qwen3MoeForCausalLM", "Qwen3MoeModel"},
@@ -109,7 +112,7 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
               where)
     if hf.get("hidden_act", "silu") != "silu":
         _reject(where, f"hidden_act = {hf['hidden_act']!r}", "loom's MLP is SwiGLU (silu)")
-    if mt in ("llama", "mistral", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
+    if mt in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
         _reject(where, "attention_bias = true", f"{mt} then adds a bias to o_proj too, and loom's o_proj has none")
     if hf.get("mlp_bias"):
         _reject(where, "mlp_bias = true", "loom's MLP projections have no bias")
@@ -138,6 +141,8 @@ def _llm_config(hf: dict, mt: str, where: str, folder: str) -> LLMConfig:
         keys.update(qwen3_moe_keys(hf))
     if mt == "glm4_moe":
         keys.update(glm4_moe_keys(hf))
+    if mt == "mixtral":
+        keys.update(mixtral_keys(hf, where))
     if mt in DEEPSEEK:
         keys.update(deepseek_keys(hf, mt, where))
     return LLMConfig(**keys)
@@ -148,7 +153,7 @@ def _sliding_layers(hf: dict) -> list[int]:
     types = hf.get("layer_types")
     if types:
         return [i for i, t in enumerate(types) if t != "full_attention"]
-    if hf.get("model_type") == "mistral" and hf.get("sliding_window"):  # Mistral's window is on when set
+    if hf.get("model_type") in ("mistral", "mixtral") and hf.get("sliding_window"):  # on whenever it is set
         return list(range(hf["num_hidden_layers"]))
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
         first = hf.get("max_window_layers", 0)
@@ -232,6 +237,9 @@ def llm_family(cfg: LLMConfig) -> str:
             "language: attention_bias and qk_norm together have no Hugging Face counterpart "
             "(Qwen3's attention_bias also adds an o_proj bias)"
         )
+    if cfg.num_experts and not cfg.qk_norm:
+        check_mixtral(cfg)
+        return "mixtral"
     if cfg.num_experts:
         check_qwen3_moe(cfg)
         return "qwen3_moe"
@@ -257,7 +265,7 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         "dtype": _dtype_name(dtype),
         "torch_dtype": _dtype_name(dtype),
     }
-    if mt in ("llama", "qwen3", "qwen3_moe"):
+    if mt in ("llama", "mixtral", "qwen3", "qwen3_moe"):
         out["attention_bias"] = False
     if mt == "qwen3_moe":
         out.update(qwen3_moe_to_hf(cfg))
@@ -265,7 +273,9 @@ def _llm_to_hf(cfg: LLMConfig, dtype) -> dict:
         out.update(deepseek_to_hf(cfg, mt))
     if mt == "glm4_moe":
         out.update(glm4_moe_to_hf(cfg))
-    if mt in ("llama", "glm4_moe", *DEEPSEEK):
+    if mt == "mixtral":
+        out.update(mixtral_to_hf(cfg))
+    if mt in ("llama", "mixtral", "glm4_moe", *DEEPSEEK):
         out["mlp_bias"] = False
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
@@ -314,69 +324,3 @@ def _audio_to_hf(cfg: AudioConfig, dtype) -> dict:
         "dtype": _dtype_name(dtype),
         "torch_dtype": _dtype_name(dtype),
     }
-
-
-# ---------------------------------------------------------------- tensor names
-
-# module-relative loom name → HF name without prefix; rules are anchored and applied in order
-_RENAMES = {
-    "language": [],
-    "vision": [
-        (r"^(patch_embedding|position_embedding)\.", r"embeddings.\1."),
-        (r"^layers\.", "encoder.layers."),
-    ],
-    "audio": [
-        (r"^embed_positions$", "embed_positions.weight"),  # a buffer in loom, an nn.Embedding in Whisper
-        (r"^(layers\.\d+)\.layer_norm1\.", r"\1.self_attn_layer_norm."),
-        (r"^(layers\.\d+)\.layer_norm2\.", r"\1.final_layer_norm."),
-        (r"^(layers\.\d+)\.mlp\.", r"\1."),
-    ],
-}
-# where the module's tensors sit in the checkpoint: tried in order, recognised by the anchor tensor
-PREFIXES = {
-    "language": ("model.", ""),  # *ForCausalLM, or a bare *Model
-    "vision": ("vision_model.", ""),  # SiglipModel / transformers-4 SiglipVisionModel, or transformers-5's
-    "audio": ("model.encoder.", "encoder.", ""),  # WhisperForConditionalGeneration, WhisperModel, WhisperEncoder
-}
-ANCHORS = {"language": "embed_tokens.weight", "vision": "embeddings.patch_embedding.weight", "audio": "conv1.weight"}
-EXPORT_PREFIXES = {"language": "model.", "vision": "vision_model.", "audio": ""}  # what transformers 4 and 5 load
-
-
-def hf_name(kind: str, name: str, prefix: str) -> str:
-    if kind == "language" and name.startswith("lm_head."):
-        return name  # outside the base model in every *ForCausalLM
-    for pattern, repl in _RENAMES[kind]:
-        name = re.sub(pattern, repl, name)
-    return prefix + name
-
-
-def detect_prefix(kind: str, names, where: str) -> str:
-    for prefix in PREFIXES[kind]:
-        if prefix + ANCHORS[kind] in names:
-            return prefix
-    tried = [p + ANCHORS[kind] for p in PREFIXES[kind]]
-    raise HFError(f"{where}: no {kind} tensors found: none of {tried} is in the checkpoint")
-
-
-def skip_reason(kind: str, name: str, prefix: str, hf: dict) -> str | None:
-    """Why the checkpoint tensor `name` is deliberately not loaded; None: it must map onto the module."""
-    if kind == "language":
-        if name == "lm_head.weight" and hf.get("tie_word_embeddings"):
-            return "tied to embed_tokens (some tied checkpoints store it anyway)"
-        if name.endswith(".rotary_emb.inv_freq"):
-            return "rotary frequencies, recomputed from the config (older checkpoints saved them)"
-        layer = re.match(rf"^{re.escape(prefix)}layers\.(\d+)\.", name)
-        mtp = hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers")
-        if layer and mtp and int(layer.group(1)) >= hf["num_hidden_layers"]:
-            return "multi-token-prediction layers (DeepSeek's, GLM's: after the last layer), which loom does not train"
-    elif kind == "vision":
-        if name.startswith(prefix + "head."):
-            return "SigLIP's attention-pooling head; VLMs use the patch features before it"
-        text_side = name.startswith("text_model.") or name in ("logit_scale", "logit_bias")
-        if hf.get("model_type") == "siglip" and text_side:
-            return "SigLIP's text tower and contrastive logit scale/bias"
-    elif kind == "audio" and prefix:
-        parent = prefix[: -len("encoder.")]
-        if name.startswith(parent + "decoder.") or name == "proj_out.weight":
-            return "Whisper's text decoder"
-    return None

@@ -1,6 +1,7 @@
-"""GLM-4.5 (`glm4_moe`: rotary on the first half of each head, q/k/v bias, optional QK-norm, DeepSeek-V3's routing)
-and Mistral (a Llama without the window) interop: a random-init transformers model saved with `save_pretrained` (no
-download) loads into loom with the same logits; GLM exports back to the same tensors."""
+"""GLM-4.5 (`glm4_moe`: rotary on the first half of each head, q/k/v bias, optional QK-norm, DeepSeek-V3's routing),
+Mistral (a Llama without the window) and Mixtral (its mixture under names of its own) interop: a random-init
+transformers model saved with `save_pretrained` (no download) loads into loom with the same logits; GLM and Mixtral
+export back to the same tensors."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import torch
 from conftest import exported_bit_for_bit
 
 transformers = pytest.importorskip("transformers")
-from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import build_pretrained  # noqa: E402
@@ -27,6 +35,8 @@ CASES = {
     "glm4-moe-qk-norm-bias": (Glm4MoeConfig, Glm4MoeForCausalLM, {**GLM, "use_qk_norm": True, "attention_bias": True}),
     "glm4-moe-air": (Glm4MoeConfig, Glm4MoeForCausalLM, {**GLM, "use_qk_norm": False, "attention_bias": True}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"sliding_window": None, "num_local_experts": 4,
+                                                    "num_experts_per_tok": 2}),
 }
 
 
@@ -55,6 +65,7 @@ def test_logits_equal_transformers(saved):
     lm = build_pretrained(folder).eval()
     glm = type(ref) is Glm4MoeForCausalLM
     assert (lm.cfg.partial_rotary_factor, lm.cfg.rope_dim) == ((0.5, 12) if glm else (1.0, 24))
+    assert lm.cfg.num_experts == {Glm4MoeForCausalLM: 8, MixtralForCausalLM: 4}.get(type(ref), 0)
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(ids).logits
@@ -69,10 +80,12 @@ def test_logits_equal_transformers(saved):
     assert (got - want).abs().max() <= TOL
 
 
-def test_glm_exports_back_bit_for_bit(tmp_path):
-    ref, folder = _saved("glm4-moe-qk-norm-bias", tmp_path / "glm")
+@pytest.mark.parametrize("case", ["glm4-moe-qk-norm-bias", "mixtral"])
+def test_exports_back_bit_for_bit(tmp_path, case):
+    ref, folder = _saved(case, tmp_path / case)
     back = exported_bit_for_bit(folder, tmp_path / "out")
-    assert type(back) is Glm4MoeForCausalLM and back.config.use_qk_norm and back.config.attention_bias
+    assert type(back) is type(ref) and back.config.to_dict().get("use_qk_norm") == ref.config.to_dict().get(
+        "use_qk_norm")
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, ref(ids).logits)
@@ -87,8 +100,9 @@ def test_glm_without_a_partial_rotary_factor_rotates_half_as_transformers_assume
     assert build_pretrained(folder).cfg.partial_rotary_factor == 0.5
 
 
-def test_a_mistral_with_its_window_is_refused(tmp_path):
-    _, folder = _saved("mistral", tmp_path)
+@pytest.mark.parametrize("case", ["mistral", "mixtral"])
+def test_a_mistral_with_its_window_is_refused(tmp_path, case):
+    _, folder = _saved(case, tmp_path)
     hf = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**hf, "sliding_window": 16}))
     with pytest.raises(HFError, match=r"sliding-window attention \(layers \[0, 1, 2\]\)"):
