@@ -265,3 +265,38 @@ def exported_bit_for_bit(folder: Path, out: Path):
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], v) for k, v in original.items())
     return AutoModelForCausalLM.from_pretrained(out)
+
+
+def saved_far_from_init(model: torch.nn.Module, folder: Path):
+    """`model` (a transformers model) with every weight redrawn far from its init — matrices N(0, 0.15²), vectors
+    around 1, routers' selection biases N(0, 0.1²) — so every tensor changes the logits, saved to `folder` with
+    `save_pretrained`; (model, folder)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(noise * 0.15 if p.ndim >= 2 else 1 + noise * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def assert_logits_equal_transformers(ref: torch.nn.Module, lm: torch.nn.Module, vocab: int, tol: float = 1e-5):
+    """loom's DecoderLM `lm` gives transformers' `ref` logits within `tol`: on a padded batch of 2 × 24, and on 3
+    samples packed into one stream (positions restart, attention stays inside each) against each alone."""
+    from loom.data.spans import TokenSpans
+
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = lm(ids, torch.arange(24).expand(2, 24), TokenSpans())
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() <= tol
+    lengths = [7, 13, 4]
+    samples = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    with torch.no_grad():
+        got = lm(torch.cat(samples), torch.cat([torch.arange(n) for n in lengths]), TokenSpans.from_lengths(lengths))
+        want = torch.cat([ref(s[None]).logits[0] for s in samples])
+    assert (got - want).abs().max() <= tol

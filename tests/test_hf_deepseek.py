@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import exported_bit_for_bit
+from conftest import assert_logits_equal_transformers, exported_bit_for_bit, saved_far_from_init
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +21,6 @@ from transformers import (  # noqa: E402
     DeepseekV3ForCausalLM,
 )
 
-from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import HFWeights, build_pretrained, export_module  # noqa: E402
 from loom.models.hf.mapping import HFError  # noqa: E402
 from loom.models.llm import DecoderLM  # noqa: E402
@@ -50,16 +49,7 @@ CASES = {  # DeepSeek-V3's own shape of attention; Moonlight's (no query bottlen
 def _saved(case: str, folder):
     (config, causal_lm), changes = CASES[case]
     model = causal_lm(config(**{**BASE, **changes})).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # far from init (the router starts at zero): every tensor changes the logits
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(noise * 0.15 if p.ndim >= 2 else 1 + noise * 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    model.save_pretrained(folder)
-    return model, folder
+    return saved_far_from_init(model, folder)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -73,18 +63,7 @@ def test_logits_equal_transformers(saved):
     c = lm.cfg
     assert (c.kv_lora_rank, c.q_lora_rank, c.num_experts, c.sparse_layers) == (
         16, ref.config.q_lora_rank or 0, 8, [1, 2])
-    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(ids).logits
-        got = lm(ids, torch.arange(24).expand(2, 24), TokenSpans())
-    assert want.abs().max() > 1.0
-    assert (got - want).abs().max() <= TOL
-    lengths = [7, 13, 4]  # packed samples: positions restart, attention stays inside each
-    samples = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
-    with torch.no_grad():
-        got = lm(torch.cat(samples), torch.cat([torch.arange(n) for n in lengths]), TokenSpans.from_lengths(lengths))
-        want = torch.cat([ref(s[None]).logits[0] for s in samples])
-    assert (got - want).abs().max() <= TOL
+    assert_logits_equal_transformers(ref, lm, VOCAB, TOL)
 
 
 def test_export_round_trip_is_exact(saved, tmp_path):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import exported_bit_for_bit
+from conftest import assert_logits_equal_transformers, exported_bit_for_bit, saved_far_from_init
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -21,7 +21,6 @@ from transformers import (  # noqa: E402
     MixtralForCausalLM,
 )
 
-from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import build_pretrained  # noqa: E402
 from loom.models.hf.mapping import HFError  # noqa: E402
 
@@ -43,16 +42,7 @@ CASES = {
 def _saved(case: str, folder):
     config, causal_lm, changes = CASES[case]
     model = causal_lm(config(**SIZES, **changes)).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # far from init (the router starts at zero): every tensor changes the logits
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(noise * 0.15 if p.ndim >= 2 else 1 + noise * 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    model.save_pretrained(folder)
-    return model, folder
+    return saved_far_from_init(model, folder)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -66,18 +56,7 @@ def test_logits_equal_transformers(saved):
     glm = type(ref) is Glm4MoeForCausalLM
     assert (lm.cfg.partial_rotary_factor, lm.cfg.rope_dim) == ((0.5, 12) if glm else (1.0, 24))
     assert lm.cfg.num_experts == {Glm4MoeForCausalLM: 8, MixtralForCausalLM: 4}.get(type(ref), 0)
-    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(ids).logits
-        got = lm(ids, torch.arange(24).expand(2, 24), TokenSpans())
-    assert want.abs().max() > 1.0
-    assert (got - want).abs().max() <= TOL
-    lengths = [7, 13, 4]  # packed samples: positions restart, attention stays inside each
-    samples = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
-    with torch.no_grad():
-        got = lm(torch.cat(samples), torch.cat([torch.arange(n) for n in lengths]), TokenSpans.from_lengths(lengths))
-        want = torch.cat([ref(s[None]).logits[0] for s in samples])
-    assert (got - want).abs().max() <= TOL
+    assert_logits_equal_transformers(ref, lm, VOCAB, TOL)
 
 
 @pytest.mark.parametrize("case", ["glm4-moe-qk-norm-bias", "mixtral"])

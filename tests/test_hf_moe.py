@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import exported_bit_for_bit
+from conftest import assert_logits_equal_transformers, exported_bit_for_bit
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
-from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import HFWeights, build_pretrained, export_module  # noqa: E402
 from loom.models.hf.mapping import HFError  # noqa: E402
 from loom.models.llm import DecoderLM  # noqa: E402
@@ -43,19 +42,7 @@ def test_logits_equal_transformers(saved):
     c = lm.cfg
     assert (c.num_experts, c.num_experts_per_tok, c.sparse_layers) == (8, 3, [0, 2])
     assert c.norm_topk_prob == ref.config.norm_topk_prob
-    ids = torch.randint(0, 272, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(ids).logits
-        got = lm(ids, torch.arange(24).expand(2, 24), TokenSpans())
-    assert want.abs().max() > 1.0
-    assert (got - want).abs().max() <= TOL
-    # packed samples too (positions restart; routing is per token)
-    lengths = [7, 13, 4]
-    samples = [torch.randint(0, 272, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
-    with torch.no_grad():
-        got = lm(torch.cat(samples), torch.cat([torch.arange(n) for n in lengths]), TokenSpans.from_lengths(lengths))
-        want = torch.cat([ref(s[None]).logits[0] for s in samples])
-    assert (got - want).abs().max() <= TOL
+    assert_logits_equal_transformers(ref, lm, 272, TOL)  # routing is per token: packed samples route alike
 
 
 def test_disk_has_per_expert_names_and_loom_reads_any_experts_part(saved):
