@@ -6,7 +6,9 @@ dtype, the same on every rank, so a receiver can allocate once — and then yiel
 in manifest order on every rank. Each tensor is put together by the ranks that hold it (`full_tensor()` over
 its module's tp × fsdp mesh, on its pipeline stage only) and broadcast from the lowest of them to the world;
 no rank ever holds more than its shards and the one tensor in flight. The names and the set of tensors are
-`loom export`'s (models/hf/export.py): projectors have no Hugging Face counterpart and are not streamed.
+`loom export`'s (models/hf/export.py): projectors have no Hugging Face counterpart and are not streamed. One
+exception: a sparse layer's routed experts stream as loom's stacked [E, …] tensors (`….mlp.experts.gate_proj`,
+Mixtral's renames not applied), which export writes one per expert; a receiver slices expert e as row e.
 """
 
 from __future__ import annotations
