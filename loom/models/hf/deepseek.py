@@ -65,12 +65,10 @@ def deepseek_keys(hf: dict, family: str, where: str) -> dict:
             "topk_group": (hf.get("topk_group") or 1) if grouped else 1}
 
 
-def deepseek_family(cfg: LLMConfig) -> str:
-    """Which DeepSeek config describes a loom LLM with latent attention (V2: softmax routing), checked: what the
-    family's config cannot say about it is refused."""
-    if not cfg.num_experts:
-        return "deepseek_v3"
-    v2 = cfg.router_score == "softmax"
+def routing_mismatches(cfg: LLMConfig, v2: bool = False) -> tuple[dict, dict]:
+    """(loom keys a DeepSeek-style config cannot say, what it needs instead) for a loom LLM with routed experts:
+    sparse from first_k_dense_replace on with a shared expert, routed as V3 (sigmoid scores with a selection
+    bias, groups by their best two; GLM-4.5 too) or, `v2`, as V2 (softmax, not renormalised, groups by their best)."""
     want = {"decoder_sparse_step": 1, "mlp_only_layers": []}
     if v2:
         want.update(norm_topk_prob=False, router_bias=False, router_bias_update_rate=0.0, rope_interleave=True)
@@ -80,23 +78,37 @@ def deepseek_family(cfg: LLMConfig) -> str:
         want["router_group_score"] = "top2_sum"
     off = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
     if not v2 and not (cfg.router_bias or cfg.router_bias_update_rate > 0):
-        off["router_bias"] = False
+        off["router_bias"], want["router_bias"] = False, "a bias"
     if not cfg.n_shared_experts:
-        off["n_shared_experts"] = 0
+        off["n_shared_experts"], want["n_shared_experts"] = 0, "≥ 1"
+    return off, {k: want[k] for k in off}
+
+
+def routed_to_hf(cfg: LLMConfig) -> dict:
+    """The routed-expert keys DeepSeek's and GLM-4.5's config.json share."""
+    return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
+                norm_topk_prob=cfg.norm_topk_prob, first_k_dense_replace=cfg.first_k_dense_replace,
+                n_group=cfg.n_group, topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                n_shared_experts=cfg.n_shared_experts)
+
+
+def deepseek_family(cfg: LLMConfig) -> str:
+    """Which DeepSeek config describes a loom LLM with latent attention (V2: softmax routing), checked: what the
+    family's config cannot say about it is refused."""
+    if not cfg.num_experts:
+        return "deepseek_v3"
+    v2 = cfg.router_score == "softmax"
+    off, needs = routing_mismatches(cfg, v2)
     if off:
         family = "DeepSeek-V2 (softmax routing)" if v2 else "DeepSeek-V3 (sigmoid routing)"
-        raise HFError(f"language: model.language {off} have no {family} counterpart (it needs "
-                      f"{ {k: want.get(k, 'a bias' if k == 'router_bias' else '≥ 1') for k in off} })")
+        raise HFError(f"language: model.language {off} have no {family} counterpart (it needs {needs})")
     return "deepseek_v2" if v2 else "deepseek_v3"
 
 
 def deepseek_to_hf(cfg: LLMConfig, family: str) -> dict:
     """The config.json keys of the same; a dense loom LLM with latent attention has every layer dense."""
-    routed = dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                  moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
-                  norm_topk_prob=cfg.norm_topk_prob, first_k_dense_replace=cfg.first_k_dense_replace,
-                  n_group=cfg.n_group, topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                  n_shared_experts=cfg.n_shared_experts)
+    routed = routed_to_hf(cfg)
     if not cfg.num_experts:  # transformers builds a router for layers ≥ first_k_dense_replace: none here
         routed.update(n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
                       first_k_dense_replace=cfg.num_layers, n_shared_experts=1)

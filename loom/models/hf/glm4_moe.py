@@ -7,6 +7,7 @@ Llama-style config; its multi-token-prediction layer after the last is skipped a
 
 from __future__ import annotations
 
+from loom.models.hf.deepseek import routed_to_hf, routing_mismatches
 from loom.models.hf.errors import HFError
 from loom.models.llm import LLMConfig
 
@@ -33,22 +34,12 @@ def glm4_moe_keys(hf: dict) -> dict:
 
 
 def glm4_moe_to_hf(cfg: LLMConfig) -> dict:
-    return dict(attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm, n_routed_experts=cfg.num_experts,
-                num_experts_per_tok=cfg.num_experts_per_tok,
-                moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
-                norm_topk_prob=cfg.norm_topk_prob, first_k_dense_replace=cfg.first_k_dense_replace,
-                n_group=cfg.n_group, topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                n_shared_experts=cfg.n_shared_experts)
+    return dict(attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm, **routed_to_hf(cfg))
 
 
 def check_glm4_moe(cfg: LLMConfig) -> None:
-    """What a GLM-4.5 config cannot say about a loom LLM with sigmoid-routed experts."""
-    want = {"router_group_score": "top2_sum", "decoder_sparse_step": 1, "mlp_only_layers": []}
-    off = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
-    if not (cfg.router_bias or cfg.router_bias_update_rate > 0):
-        off["router_bias"] = False
-    if not cfg.n_shared_experts:
-        off["n_shared_experts"] = 0
+    """What a GLM-4.5 config cannot say about a loom LLM with sigmoid-routed experts (DeepSeek-V3's routing)."""
+    off, _ = routing_mismatches(cfg)
     if off:
         raise HFError(f"language: model.language {off} have no GLM-4.5 (glm4_moe) counterpart: it routes by sigmoid "
                       f"scores with a selection bias and a shared expert, sparse from first_k_dense_replace on")
