@@ -118,10 +118,8 @@ class TrainConfig:
     # what train.compile compiles with: "aot_eager" traces the same graphs (dynamo + AOTAutograd) and runs them
     # without generated code, which is how the CPU tests check compile in seconds instead of minutes
     compile_backend: str = choice("inductor", "inductor", "aot_eager")
-    # "reduce-overhead": inductor replays each block as a CUDA graph, forward and backward: one launch per graph
-    # instead of one per kernel, for steps whose GPU waits on the host's launches. The LLM's blocks (fixed T)
-    # are captured once; an encoder's rows, which follow the data, are then rounded up to a quarter of its row
-    # budget instead of 64, and each row count met is captured once (at most 4 per encoder).
+    # "reduce-overhead": each block replayed as a CUDA graph (one launch, not one per kernel), on one GPU: the
+    # LLM's blocks captured once; an encoder's rows rounded up to a quarter of its budget, each count captured once
     compile_mode: str = choice("default", "default", "reduce-overhead")
     # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
     # (all but matmul / attention outputs); less activation memory for more compute
@@ -136,6 +134,7 @@ class TrainConfig:
     vision: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     audio: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
     language: ModuleTrainConfig = field(default_factory=ModuleTrainConfig)
+    gc_every: int = 50  # Python's collector runs every this many steps, on every rank at once (0: when it likes)
 
     @property
     def sequences_per_item(self) -> int:
@@ -186,6 +185,8 @@ class ParallelConfig:
     backend: str = choice("auto", "auto", "gloo", "nccl")  # auto: NCCL with CUDA, gloo without
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (less memory)
     blocks_per_unit: int = 1  # FSDP2: consecutive blocks gathered together (fewer, larger collectives and hooks)
+    module_blocks_per_unit: dict = field(default_factory=dict)  # per module, over blocks_per_unit: {vision = 9}
+    fsdp_prefetch: int = 1  # FSDP2: all-gathers issued this many units ahead, forward and backward (0: FSDP2's own)
     debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks
     timeout_s: int = 600  # a collective that does not complete in this time ends the run with an error
     # LLM pipeline (layout.language.pp > 1): torch.distributed.pipelining's schedule over the M microbatches

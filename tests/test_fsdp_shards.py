@@ -84,3 +84,38 @@ def test_a_frozen_encoder_reshards_after_its_forward(worlds):
     frozen, trained = worlds.run(2, _gathered_after_forward, True), worlds.run(2, _gathered_after_forward, False)
     assert frozen == [[], []]
     assert all(trained) and trained[0] == trained[1]  # the root's own weights, kept for the backward
+
+
+def _units_and_prefetch(overrides: list[str]) -> dict[str, list]:
+    """Per module: each FSDP2 unit's blocks, whether it reshards after forward, and the units its forward and
+    backward prefetch (FSDP2 keeps these on its private state; its public API only sets them)."""
+    import torch
+
+    from loom.parallel.blocks import transformer_blocks
+    from loom.train.build import build_job_model, setup_parallel
+
+    cfg = load_config(None, ["--train.global_batch_size=8", *overrides], world_size=dist.get_world_size())
+    model = build_job_model(cfg, ByteTokenizer())
+    setup_parallel(model, cfg, torch.device("cpu"))
+    out = {}
+    for name in ("vision", "language"):
+        blocks = transformer_blocks(name, model.get_submodule(name))
+        index = {id(b._get_fsdp_state()): i for i, b in reversed(list(enumerate(blocks)))}  # a unit's first block
+        units = sorted(set(index.values()))
+        out[name] = [(i, blocks[i]._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None,
+                      [index[id(s)] for s in blocks[i]._get_fsdp_state()._states_to_forward_prefetch],
+                      [index[id(s)] for s in blocks[i]._get_fsdp_state()._states_to_backward_prefetch])
+                     for i in units]
+    return out
+
+
+def test_units_prefetch_ahead_and_the_last_keeps_its_weights(worlds):
+    """Unit i gathers unit i+1 (forward) and i−1 (backward) ahead; every unit reshards after forward but the
+    last, whose backward comes right after its forward. The LLM has 4 blocks, the ViT 2 (configs' defaults)."""
+    per_rank = worlds.run(2, _units_and_prefetch, [])
+    assert per_rank[0]["language"] == [(0, True, [1], []), (1, True, [2], [0]), (2, True, [3], [1]),
+                                       (3, False, [], [2])]
+    assert per_rank[0]["vision"] == [(0, True, [1], []), (1, False, [], [0])]
+    two = worlds.run(2, _units_and_prefetch, ["--parallel.fsdp_prefetch=2", "--parallel.module_blocks_per_unit.language=2"])
+    assert two[0]["language"] == [(0, True, [2], []), (2, False, [], [0])]  # units of 2 blocks: 0-1, 2-3
+    assert two[0]["vision"] == [(0, True, [1], []), (1, False, [], [0])]

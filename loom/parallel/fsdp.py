@@ -1,5 +1,7 @@
 """FSDP2 over a module's dp group (dp×cp flattened under cp: `fsdp_mesh`): each block (or run of
-`blocks_per_unit` blocks) is its own unit, all-gathered just in time, then the root.
+`blocks_per_unit` blocks) is its own unit, then the root. Each unit's all-gather is issued `prefetch` units
+ahead of its use, in forward and in backward, and the last unit keeps its weights from its forward to its
+backward, which follows at once.
 
 Gradients are *summed* over dp (divide factor 1): the loss is already divided by the global token count,
 so a mean over replicas would divide twice.
@@ -17,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 if TYPE_CHECKING:
+    from loom.config import ParallelConfig
     from loom.topology import Grid
 
 # A row-wise TP projector hands FSDP a view of its local output; loom never writes into module outputs in
@@ -33,6 +36,11 @@ def fsdp_mesh(grid: Grid, device_type: str) -> DeviceMesh:
     return grid.mesh("dp", device_type=device_type)
 
 
+def blocks_per_unit(module: str, par: ParallelConfig) -> int:
+    """Blocks in one FSDP2 unit of `module`: its own entry in parallel.module_blocks_per_unit, else the default."""
+    return par.module_blocks_per_unit.get(module, par.blocks_per_unit)
+
+
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     if dtype == "bf16":  # compute in bf16, reduce gradients in fp32, keep fp32 master weights
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -46,23 +54,40 @@ def apply_fsdp(
     mp: MixedPrecisionPolicy,
     reshard_after_forward: bool,
     blocks_per_unit: int = 1,
+    prefetch: int = 1,
 ) -> None:
     # a frozen module (train.<module>.freeze) has no backward to reshard its units in: they reshard after forward,
     # or its whole weights would stay gathered on every rank from one forward to the next
     trained = any(p.requires_grad for p in module.parameters())
     # a unit of k consecutive blocks: one all-gather / reduce-scatter and one set of hooks for all k
-    for i in range(0, len(blocks), blocks_per_unit):
-        unit = blocks[i : i + blocks_per_unit]
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward or not trained)
+    units = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    for i, unit in enumerate(units):
+        # the last unit's backward is the first to run, right after its forward: a reshard would only re-gather
+        keep = trained and (not reshard_after_forward or i == len(units) - 1)
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
     # the root of a trained module keeps its parameters gathered after forward: the backward needs them at once
     fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not trained)
+    if prefetch:
+        set_prefetch(module, [unit[0] for unit in units], prefetch, trained)
     gloo = dist.get_backend(mesh.get_group(0)) == "gloo"
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             if gloo:  # gloo has no PREMUL_SUM; NCCL keeps its fused pre-multiplied reduction
                 m.set_force_sum_reduction_for_comms(True)
+
+
+def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int, backward: bool) -> None:
+    """Each unit's all-gather issued when the unit `depth` places before it starts (the root's with the first
+    units'), in forward and, for a trained module, in backward's reverse order. Without this FSDP2 issues a
+    forward gather only when its unit is called: a host that is not far ahead of the device (short encoder
+    blocks, hooks between them) leaves the gather exposed."""
+    chain = [root, *units]
+    for i, unit in enumerate(chain[:-1]):
+        unit.set_modules_to_forward_prefetch(chain[i + 1 : i + 1 + depth])
+    if backward:
+        for i in range(len(units) - 1, 0, -1):
+            units[i].set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

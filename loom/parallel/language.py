@@ -59,5 +59,5 @@ def parallelize_language(name: str, llm: nn.Module, grid: Grid | None, cfg: JobC
             apply_expert_parallel(part, expert_mesh(grid, device_type), mixed_precision(train.dtype), reshard)
         # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
         apply_fsdp(part, transformer_blocks(name, part), fsdp.fsdp_mesh(grid, device_type),
-                   mixed_precision(train.dtype), reshard, par.blocks_per_unit)
+                   mixed_precision(train.dtype), reshard, fsdp.blocks_per_unit(name, par), par.fsdp_prefetch)
     return llm

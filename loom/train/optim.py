@@ -68,27 +68,35 @@ class ModuleOptimizers:
 
 class _FusedLists:
     """One fused AdamW's tensor lists, per param group, kept between steps: its parameters, moments and step
-    counts (the gradients are read anew each step). Valid while the optimizer keeps the same state and groups
-    (a checkpoint load replaces both)."""
+    counts (the gradients are read anew each step); a DTensor's as its local shard (AdamW is elementwise, so a
+    shard's update is the whole tensor's, and the kernel runs once on plain tensors instead of through DTensor's
+    dispatch). Valid while the optimizer keeps the same state and groups (a checkpoint load replaces both)."""
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         self.groups = opt.param_groups
         self.lists = []
+        self.first_moments = []  # per group, the optimizer's own exp_avg tensors: what valid() checks against
         for g in opt.param_groups:
             st = [opt.state[p] for p in g["params"]]
-            self.lists.append((g, g["params"], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
-                               [s["step"] for s in st]))
+            self.first_moments.append([s["exp_avg"] for s in st])
+            self.lists.append((g, [_local(p) for p in g["params"]], [_local(s["exp_avg"]) for s in st],
+                               [_local(s["exp_avg_sq"]) for s in st], [s["step"] for s in st]))
 
     def valid(self, opt: torch.optim.Optimizer) -> bool:
         """The same groups and, per parameter, the same state tensors (a load puts new ones in place)."""
         state = opt.state
         return self.groups is opt.param_groups and all(
-            lists[1] is g["params"] and all(state[p]["exp_avg"] is m for p, m in zip(lists[1], lists[2]))
-            for lists, g in zip(self.lists, opt.param_groups))
+            len(moments) == len(g["params"]) and all(state[p]["exp_avg"] is m for p, m in zip(g["params"], moments))
+            for moments, g in zip(self.first_moments, opt.param_groups))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard itself (`to_local()` would make a new view on every call), else `t`."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _lean(opt: torch.optim.Optimizer) -> bool:
-    """An AdamW this path takes: fused, plain (not DTensor) fp32 CUDA parameters of one device, no amsgrad,
+    """An AdamW this path takes: fused, fp32 parameters (or DTensor shards) of one device, no amsgrad,
     maximize, differentiable or tensor lr, every parameter's state made (after its first step)."""
     if type(opt) is not torch.optim.AdamW:
         return False
@@ -96,14 +104,20 @@ def _lean(opt: torch.optim.Optimizer) -> bool:
     return bool(params) and all(
         g.get("fused") and not g.get("amsgrad") and not g.get("maximize") and not g.get("differentiable")
         and not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups) and all(
-        not isinstance(p, DTensor) and p.dtype == torch.float32 and p.device == params[0].device
-        and len(opt.state.get(p, ())) >= 3 for p in params)
+        p.dtype == torch.float32 and p.device == params[0].device and len(opt.state.get(p, ())) >= 3
+        for p in params)
 
 
 def _global_step_hooks() -> bool:
     from torch.optim import optimizer as torch_optimizer
 
     return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+
+
+def lean_everywhere(optimizer) -> bool:
+    """Every AdamW of the job takes fused_step's own path (`_lean`): under a layout, the grad-norm's clip and
+    skip can then stay on the device too (torch's AdamW over DTensors would not take them)."""
+    return all(_lean(opt) for opt in optimizer)
 
 
 def fused_step(opt: torch.optim.Optimizer) -> None:
@@ -114,8 +128,8 @@ def fused_step(opt: torch.optim.Optimizer) -> None:
     idles until the fused kernel is queued. Here the lists of parameters, moments and step counts are built once
     and only the gradients are read each step; then, as torch's fused AdamW does for one device and dtype:
     step counts + 1, one `_fused_adamw_` per group with the optimizer's `grad_scale` / `found_inf` (the clip and
-    skip of `clip_in_optimizer`), the counts taken back where `found_inf` is set. Anything else (the first step,
-    which makes the state; a missing gradient; DTensors; non-fused): `opt.step()`."""
+    skip of `clip_in_optimizer`), the counts taken back where `found_inf` is set; DTensors through their local
+    shards. Anything else (the first step, which makes the state; a missing gradient; non-fused): `opt.step()`."""
     lists = getattr(opt, "_loom_fused_lists", None)
     if lists is None or not lists.valid(opt):
         seen = (id(opt.state), len(opt.state))  # checked once per state: not every step of a layout's optimizer
@@ -130,11 +144,11 @@ def fused_step(opt: torch.optim.Optimizer) -> None:
     grad_scale, found_inf = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
     todo = []
     for g, params, exp_avgs, exp_avg_sqs, steps in lists.lists:
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in g["params"]]
         if any(x is None for x in grads):
             opt.step()  # torch skips parameters without a gradient: its own path, as before
             return
-        todo.append((g, params, grads, exp_avgs, exp_avg_sqs, steps))
+        todo.append((g, params, [_local(x) for x in grads], exp_avgs, exp_avg_sqs, steps))
     with torch.autograd.profiler.record_function("loom.fused_step"):
         for g, params, grads, exp_avgs, exp_avg_sqs, steps in todo:
             if not params:
@@ -230,19 +244,43 @@ def clip_and_check(model: nn.Module, max_norm: float, share: GradNormShare | Non
     return norm, finite
 
 
-def clip_in_optimizer(model: nn.Module, optimizer, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One process with fused AdamW: the global grad norm, the clip and the skip stay on the device, so nothing
-    waits for the host before the optimizer step. The clip coefficient reaches AdamW as `grad_scale` (its one
-    pass divides each gradient by 1/coef: no separate multiply over every gradient) and a non-finite norm as
-    `found_inf` (AdamW then changes nothing, its step count included). Returns (norm, finite), on the device."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0).double() if grads else torch.zeros((), dtype=float)
-    finite = torch.isfinite(norm)
+def clip_in_optimizer(model: nn.Module, optimizer, max_norm: float,
+                      share: GradNormShare | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused AdamW: the global grad norm, the clip and the skip stay on the device, so nothing waits for the host
+    before the optimizer step. The clip coefficient reaches AdamW as `grad_scale` (its one pass divides each
+    gradient by 1/coef: no separate multiply over every gradient) and a non-finite norm as `found_inf` (AdamW then
+    changes nothing, its step count included). Under a layout (`share`) the per-module squared norms and the
+    not-finite count are summed over the world on the device, as clip_and_check sums them on the host. Returns
+    (norm, finite), on the device."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    device = next(iter(model.parameters())).device  # a DTensor's: its local shard's
+    if share is None:
+        norm = _grad_norm_sq(params, device).sqrt()
+        finite = torch.isfinite(norm)
+    else:
+        sq = {n: _grad_norm_sq(counted_once(model.get_submodule(n)), device)
+              for n in share.modules if n in share.hosted}
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        not_finite = sum(((~torch.isfinite(v)).double() for v in sq.values()), zero)
+        summed = torch.stack([sq[n] if n in share.adds else zero for n in share.modules] + [not_finite])
+        dist.all_reduce(summed)  # the default group: the world
+        norm = summed[:-1].sum().sqrt()
+        finite = (summed[-1] == 0) & torch.isfinite(norm)
     clip = finite & (norm > max_norm) if max_norm > 0 else torch.zeros_like(finite)
     scale = torch.where(clip, (norm + 1e-6) / max_norm, 1.0).float()  # = 1 / clip_and_check's coef
     for opt in optimizer:
         opt.grad_scale, opt.found_inf = scale, (~finite).float()
     return norm, finite
+
+
+def _grad_norm_sq(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """global_grad_norm's square on the device (float64): DTensor norms reduced over their meshes, no host sync."""
+    total = None
+    for grads in _grads_by_mesh(params):
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
+        total = norm if total is None else total + norm
+    return total if total is not None else torch.zeros((), dtype=torch.float64, device=device)
 
 
 def fused_everywhere(optimizer) -> bool:

@@ -28,6 +28,7 @@ from loom.config import TrainConfig
 from loom.models.moe import aux_loss_scale
 from loom.models.multimodal import MultimodalModel
 from loom.train.expert_load import ExpertLoad
+from loom.train.garbage import collect_at
 from loom.train.inputs import StepInputs
 from loom.train.objective import Objective, metric_means
 from loom.train.optim import (
@@ -35,6 +36,7 @@ from loom.train.optim import (
     clip_and_check,
     clip_in_optimizer,
     fused_everywhere,
+    lean_everywhere,
     reduce_values,
     set_lr,
 )
@@ -73,6 +75,8 @@ def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepIn
     """Forward and backward of every microbatch (gradients accumulate; FSDP reduces them once per step), then
     one clip and one optimizer step. `inspect_grads(model)` sees the raw gradients after the last backward,
     before clipping (loom verify)."""
+    if plan.distributed:  # ranks wait for each other's collections: all at the same steps, not mid-step on one
+        collect_at(step, cfg.gc_every)
     lr = set_lr(optimizer, step, cfg)
     if plan.reference is not None:  # the reference policy's logprobs, each microbatch's `ref_logprobs` field
         plan.reference.score_into(plan, model, inputs)
@@ -125,8 +129,10 @@ def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: 
     when the norm is not finite); `loss`: this rank's part of the step's loss."""
     if inspect_grads is not None:
         inspect_grads(model)
-    if comms.norm_share is None and fused_everywhere(optimizer):  # one GPU: no host sync until the step's end
-        norm, finite = clip_in_optimizer(model, optimizer, cfg.grad_clip)
+    # fused AdamW: no host sync until the step's end (under a layout from its second step, once every AdamW has
+    # the state fused_step's own path needs: torch's step over DTensors would not take the device-side clip)
+    if fused_everywhere(optimizer) and (comms.norm_share is None or lean_everywhere(optimizer)):
+        norm, finite = clip_in_optimizer(model, optimizer, cfg.grad_clip, comms.norm_share)
         optimizer.step()
     else:
         norm, finite = clip_and_check(model, cfg.grad_clip, comms.norm_share)
@@ -135,8 +141,8 @@ def finish_step(model: MultimodalModel, optimizer, loss: float, lr: float, cfg: 
     optimizer.zero_grad(set_to_none=True)
     # once per optimizer step, from the whole step's counts: the routers' bias update and the experts' load
     load = comms.expert_load.finish(model, bool(finite)) if comms.expert_load is not None else {}
-    loss = world_sum([float(loss)], comms)[0]  # under a layout: every rank reports the step's loss
-    return StepResult(loss, float(norm), lr, not bool(finite), expert_load=load)
+    loss = world_loss(loss, comms)  # under a layout: every rank reports the step's loss
+    return StepResult(float(loss), float(norm), lr, not bool(finite), expert_load=load)
 
 
 def world_sum(values: list[float], comms: StepComms) -> list[float]:
@@ -145,6 +151,19 @@ def world_sum(values: list[float], comms: StepComms) -> list[float]:
     if comms.norm_share is None:
         return values
     return reduce_values([v if comms.adds_loss else 0.0 for v in values], dist.ReduceOp.SUM, None)
+
+
+def world_loss(loss: float | torch.Tensor, comms: StepComms) -> float | torch.Tensor:
+    """world_sum of the step's loss on the device: the host reads it once, after the optimizer step is queued."""
+    if comms.norm_share is None:
+        return loss
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces only device tensors
+    mine = loss if comms.adds_loss and isinstance(loss, torch.Tensor) else float(loss) if comms.adds_loss else 0.0
+    # torch.full, not torch.tensor: a host value copied to the GPU would wait for the device's queue
+    t = mine.detach().to(device, torch.float64) if isinstance(mine, torch.Tensor) else torch.full(
+        (), mine, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t
 
 
 def one_process_autocast(dtype: str, device: torch.device):
