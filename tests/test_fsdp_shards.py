@@ -116,6 +116,7 @@ def test_units_prefetch_ahead_and_the_last_keeps_its_weights(worlds):
     assert per_rank[0]["language"] == [(0, True, [1], []), (1, True, [2], [0]), (2, True, [3], [1]),
                                        (3, False, [], [2])]
     assert per_rank[0]["vision"] == [(0, True, [1], []), (1, False, [], [0])]
-    two = worlds.run(2, _units_and_prefetch, ["--parallel.fsdp_prefetch=2", "--parallel.module_blocks_per_unit.language=2"])
+    two = worlds.run(2, _units_and_prefetch, ["--parallel.fsdp_prefetch=2",
+                                              "--parallel.module_blocks_per_unit.language=2"])
     assert two[0]["language"] == [(0, True, [2], []), (2, False, [], [0])]  # units of 2 blocks: 0-1, 2-3
     assert two[0]["vision"] == [(0, True, [1], []), (1, False, [], [0])]
