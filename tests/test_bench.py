@@ -275,3 +275,52 @@ def test_model_flops_of_latent_attention_average_the_key_and_value_widths():
                                                           "--train.device=cpu"])
     assert cfg.model.language.num_heads == 4
     assert ModelFlops.of(build_job(cfg).model).llm[2] == 72
+
+
+# torchtitan v0.2.2's metric lines as bench/results/2026-11-24-torchtitan-h200-8192.log holds them (run_train.sh
+# tees rank 0); the last two as a colored terminal and a validation pass write them
+TITAN = "[rank0]:[titan] 2026-11-24 06:30:27,363 - root - INFO - "
+TITAN_LOG = "\n".join(TITAN + line for line in [
+    "step:  1  loss: 12.37742  grad_norm: 80.6771  memory: 30.80GiB(22.03%)  tps: 490  tflops: 6.91  mfu: 0.70%",
+    "step:  5  loss:  6.51925  grad_norm: 21.6020  memory: 43.63GiB(31.21%)  tps: 24,438  tflops: 344.42  mfu: 34.83%",
+    "step: 10  loss:  6.38482  grad_norm: 15.3294  memory: 43.63GiB(31.21%)  tps: 36,165  tflops: 509.69  mfu: 51.54%",
+    "step: 15  loss:  3.33786  grad_norm: 17.3097  memory: 43.63GiB(31.21%)  tps: 36,466  tflops: 513.93  mfu: 51.96%",
+    "step: 20  loss:  2.65816  grad_norm:  5.8706  memory: 43.63GiB(31.21%)  tps: 36,078  tflops: 508.47  mfu: 51.41%",
+    "\x1b[31mstep: 25  \x1b[32mloss:  2.52674  \x1b[38;2;180;60;0mgrad_norm:  5.2549  \x1b[38;2;54;234;195mmemory: "
+    "43.63GiB(31.21%)  \x1b[34mtps: 36,163  \x1b[36mtflops: 509.67  \x1b[35mmfu: 51.53%\x1b[39m",
+    "validate step: 25  loss:  2.6000  memory: 43.63GiB(31.21%)  tps: 99,999"])
+
+
+def test_torchtitan_log_tps_read_from_step_10_on():
+    """bench/titan_log.py: the per-GPU tps of steps 10–25 (the colored line too, the validation line not), median
+    (36,163 + 36,165) / 2 by hand."""
+    from bench.titan_log import titan_row, tps_by_step
+    assert tps_by_step(TITAN_LOG) == {1: 490, 5: 24438, 10: 36165, 15: 36466, 20: 36078, 25: 36163}
+    row = titan_row(TITAN_LOG, gpus=4, tokens_per_gpu=8192)
+    assert row["tps"] == [36165, 36466, 36078, 36163] and row["tps_median"] == 36164
+    assert row["gpus"] == 4 and row["tokens_per_gpu"] == 8192 and row["bench"] == "torchtitan"
+    assert titan_row("Traceback (most recent call last):\n", 4, 8192)["tps_median"] is None
+
+
+def test_run_tt_passes_the_anchor_command_and_prints_one_row_per_size(tmp_path):
+    """bench/run_tt.sh against a stand-in torchtitan (a run_train.sh that logs its NGPU, batch and one tps line):
+    local_batch_size = tokens per GPU / 8192, NVLink multicast off, one JSON row per size appended to OUT."""
+    kit, site = tmp_path / "kit", tmp_path / "site"
+    (kit / "tt").mkdir(parents=True)
+    site.mkdir()
+    (site / ".tt-wheels").touch()  # wheels taken as installed: pip is not what this tests
+    stub = kit / "tt" / "run_train.sh"
+    stub.write_text("#!/usr/bin/env bash\n"
+                    'batch=$(echo "$@" | sed "s/.*--training.local_batch_size \\([0-9]*\\).*/\\1/")\n'
+                    'echo "args: NGPU=$NGPU NVLS=$NCCL_NVLS_ENABLE $*"\n'
+                    'echo "[rank0]:[titan] x - root - INFO - step: 10  loss: 1.0  tps: $((batch * 1000 + NGPU))"\n')
+    stub.chmod(0o755)
+    out = tmp_path / "tt.jsonl"
+    env = {**os.environ, "TT_KIT": str(kit), "TT_SITE": str(site), "PYTHONPATH": os.getcwd()}
+    run = subprocess.run(["bash", "bench/run_tt.sh", str(out), "4", "8192", "16384"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["tokens_per_gpu"], r["tps"]) for r in rows] == [(8192, [1004]), (16384, [2004])]
+    log = (tmp_path / "tt.jsonl.tt-4-16384.log").read_text()
+    assert "NGPU=4 NVLS=0" in log and "--training.steps 25 --metrics.log_freq 5" in log
