@@ -8,7 +8,8 @@ Every sample is one document of `--seq` tokens (random byte ids: speed does not 
 compiled code sees one shape. Built through `build_job`, as `loom train` builds, then timed on this workload.
 On one GPU (no torchrun) loom runs as torchtitan does there: no FSDP, bf16 autocast over fp32 weights.
 Prints one JSON line: tokens/s, MFU (loom/train/flops.py over an 8192³ bf16 matmul measured in the same
-run), peak memory, every step's time and the recompiles after the first step. `--small` runs on CPU (CI).
+run), peak memory, every step's time and the recompiles after the first step; with `--comm-report` (or
+`--profile`) exposed communication and rank skew, as bench/mm_bench.py. `--small` runs on CPU (CI).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 from bench.busy import busy_report, queue_step
 from bench.flash_impl import activate
-from bench.mm_bench import print_sync_stacks, write_profile
+from bench.overlap import comm_summary
+from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
 from loom.distributed import init_distributed, shutdown
@@ -62,6 +64,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true")
     p.add_argument("--profile", default="", help="write a torch profiler summary of the measured steps here")
+    p.add_argument("--comm-report", action="store_true",
+                   help="trace every rank's device kernels over the measured steps (lighter than --profile, which "
+                        "does it too) and print exposed_comm_share, compute_s_per_step and rank_skew")
     p.add_argument("--sync-debug", choices=("", "warn", "error"), default="",
                    help="run the measured steps under torch.cuda.set_sync_debug_mode: a host sync raises (error) or "
                         "prints where it happened, once per place (warn)")
@@ -89,30 +94,31 @@ def main() -> None:
     inputs = [step_inputs(batches, s, job.plan, job.cfg, job.tok, job.counters, device)
               for s in range(total + args.busy)]
     peak = peak_matmul_tflops(device)
-    times, profiler, first_frames = [], None, 0
+    times, windows, profiler, first_frames = [], [], None, 0
     for s in range(total):
-        if s == args.warmup and args.profile:
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
-            profiler = torch.profiler.profile(activities=activities)
-            profiler.__enter__()
+        if s == args.warmup and (args.profile or args.comm_report):
+            profiler = start_profiler(gpu, full=bool(args.profile))  # every rank: comm_report gathers from each
         if s == args.warmup and args.sync_debug:
             print_sync_stacks()
             torch.cuda.set_sync_debug_mode(args.sync_debug)
         if gpu:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time_ns()
         result = job.plan.train_step(job.model, job.optimizer, inputs[s], job.cfg, s)
         if gpu:
             torch.cuda.synchronize()
         if s >= args.warmup:
             times.append(time.perf_counter() - t0)
+            windows.append((w0, time.time_ns()))  # the kernels' clock: comm_report clips them to the steps
         if s == 0:
             first_frames = compiled_frames()
     if args.sync_debug:
         torch.cuda.set_sync_debug_mode(0)
     if profiler is not None:
         profiler.__exit__(None, None, None)
-        write_profile(profiler, args.profile, sum(times), gpu)
+        if args.profile:
+            write_profile(profiler, args.profile, sum(times), gpu)
+    comm = comm_report(profiler, windows, device) if args.profile or args.comm_report else comm_summary([])
     step_s = sorted(times)[len(times) // 2]
     busy = {}
     if args.busy and gpu:
@@ -131,6 +137,7 @@ def main() -> None:
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
         "loss": round(result.loss, 4), "params_b": round(job.n_params / 1e9, 3),
         "recompiles": compiled_frames() - first_frames, **busy,
+        **comm,  # --comm-report or --profile: exposed communication and rank skew (bench/profiling.py)
         "step_s": round(step_s, 4), "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
         "step_times": [round(t, 4) for t in times],
     }))

@@ -13,27 +13,26 @@ Prints one JSON line (rank 0): real LLM tokens/s per GPU, TFLOP/s per GPU and MF
 an 8192³ bf16 matmul measured in the same run), peak memory, step time, padding fraction, and `recompiles`:
 frames torch.compile compiled after the first step (0 with fixed shapes: `--set train.compile=true --set
 data.tokens_per_microbatch=SEQ`, or `--format bshd`, whose rows are fixed to the workload's longest sample).
+`--comm-report` (or `--profile`) adds, from a trace of every rank's kernels over the measured steps, the share of
+the step in which only NCCL kernels ran and each rank's compute time per step (bench/profiling.py).
 `--small` shrinks everything for a CPU smoke run (CI runs it).
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import json
 import os
 import sys
 import time
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
-from torch.autograd import DeviceType
 
 from bench.flops import peak_matmul_tflops, step_flops
-from bench.overlap import merge_intervals
+from bench.overlap import comm_summary
+from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile, write_timeline
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.job import load_config
 from loom.distributed import init_distributed, shutdown
@@ -80,20 +79,6 @@ def padded_overrides(args, shape: Shape) -> list[str]:
     return [f"--data.padded_length={args.seq if args.pad_to == 'seq' else -(-shape.longest // 64) * 64}"]
 
 
-def print_sync_stacks() -> None:
-    """Each synchronizing warning once per calling place, with the stack that led to it (stderr)."""
-    seen = set()
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        stack = "".join(traceback.format_stack(limit=12)[:-2])
-        if stack not in seen:
-            seen.add(stack)
-            print(f"--- {message}\n{stack}", file=sys.stderr)
-
-    warnings.simplefilter("always")
-    warnings.showwarning = show
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--system", choices=("loom", "hf"), default="loom")
@@ -114,8 +99,11 @@ def main() -> None:
     p.add_argument("--small", action="store_true")
     p.add_argument("--profile", default="", help="write a torch profiler summary of the measured steps here")
     p.add_argument("--timeline", default="",
-                   help="with --profile: write this rank's device-busy intervals here ({rank} in the path; "
-                        "bench/overlap.py reads them)")
+                   help="with --profile or --comm-report: write this rank's device-busy intervals here ({rank} in "
+                        "the path; bench/overlap.py reads them)")
+    p.add_argument("--comm-report", action="store_true",
+                   help="trace every rank's device kernels over the measured steps (lighter than --profile, which "
+                        "does it too) and print exposed_comm_share, compute_s_per_step and rank_skew")
     p.add_argument("--sync-debug", choices=("", "warn"), default="",
                    help="warn: print where the measured steps sync with the host, once per place (stderr)")
     p.add_argument("--busy", type=int, default=0,
@@ -154,11 +142,8 @@ def main() -> None:
     times, windows = [], []
     profiler = None
     for step in range(total):
-        if step == args.warmup and args.profile:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
-                                              ([torch.profiler.ProfilerActivity.CUDA] if gpu else []),
-                                              with_stack=os.environ.get("PROFILE_GAPS") == "stack")
-            profiler.__enter__()
+        if step == args.warmup and (args.profile or args.comm_report):
+            profiler = start_profiler(gpu, full=bool(args.profile))  # every rank: comm_report gathers from each
         if step == args.warmup and args.sync_debug:
             print_sync_stacks()
             torch.cuda.set_sync_debug_mode(args.sync_debug)
@@ -173,13 +158,14 @@ def main() -> None:
             windows.append((w0, time.time_ns()))
         if step == 0:
             first_frames = compiled_frames()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if profiler is not None:
         profiler.__exit__(None, None, None)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0 or "{rank}" in args.profile:  # "{rank}" in the path: every rank writes its own
+        if args.profile and (rank == 0 or "{rank}" in args.profile):  # "{rank}" in the path: every rank writes
             write_profile(profiler, args.profile.format(rank=rank), sum(times), gpu)
         if args.timeline:
             write_timeline(profiler, args.timeline.format(rank=rank), rank, windows)
+    comm = comm_report(profiler, windows, device) if args.profile or args.comm_report else comm_summary([])
     step_s = sorted(times)[len(times) // 2]
     busy = {}
     if busy_steps:
@@ -211,6 +197,7 @@ def main() -> None:
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
             **busy,  # --busy: the GPU's busy fraction by CUDA events
+            **comm,  # --comm-report or --profile: exposed communication and rank skew (bench/profiling.py)
             "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
             "step_times": [round(t, 4) for t in times],  # every measured step: a median hides slow ones
         }))
@@ -235,110 +222,6 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     t = torch.tensor([value], device="cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one rank's recompile stalls every rank under FSDP
     return int(t)
-
-
-def write_profile(profiler, path: str, wall_s: float, gpu: bool) -> None:
-    """Top operators by device time and by host time, and how busy the device was over the measured steps
-    (kernel time / wall time: far below 1 means the host or a collective's wait holds the device idle)."""
-    events = profiler.key_averages()
-    with open(path, "w") as f:
-        if gpu:  # kernels only, as the table's own total: user annotations would count their kernels twice
-            busy = sum(e.self_device_time_total for e in events
-                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e6
-            f.write(f"wall {wall_s:.3f} s, device kernels {busy:.3f} s ({busy / wall_s:.0%} of wall)\n\n")
-            rows = int(os.environ.get("PROFILE_ROWS", "40"))  # more rows to sort every kernel into a category
-            f.write(events.table(sort_by="self_device_time_total", row_limit=rows) + "\n")
-        f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
-        if gpu and os.environ.get("PROFILE_GAPS"):
-            try:
-                f.write(gap_report(profiler))
-            except Exception as e:  # noqa: BLE001 - a diagnostic: the tables above stand without it
-                f.write(f"gap report failed: {type(e).__name__}: {e}\n")
-
-
-def gap_report(profiler, top: int = 40) -> str:
-    """Where the device idles between kernels (PROFILE_GAPS=1): every gap between one kernel's end and the next
-    one's start, summed by size and listed largest first with the kernels on either side."""
-    kernels = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
-                     for e in profiler.profiler.kineto_results.events()
-                     if e.device_type() == DeviceType.CUDA and not e.is_user_annotation())
-    gaps, end, before = [], None, ""
-    for start, stop, name in kernels:
-        if end is not None and start > end:
-            gaps.append((start - end, before, name))
-        if end is None or stop > end:
-            end, before = stop, name
-    bins = {"<5us": 5e3, "5-20us": 20e3, "20-100us": 100e3, "100us-1ms": 1e6, ">1ms": float("inf")}
-    sums = dict.fromkeys(bins, 0)
-    for ns, _, _ in gaps:
-        sums[next(k for k, bound in bins.items() if ns < bound)] += ns
-    lines = [f"\ngaps between kernels: {len(gaps)}, {sum(g[0] for g in gaps) / 1e6:.1f} ms in all; by size (ms): "
-             + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sums.items())]
-    for ns, a, b, *_ in sorted(gaps, reverse=True)[:top]:
-        lines.append(f"{ns / 1e3:9.1f} us  after {a[:70]}  before {b[:70]}")
-    return "\n".join(lines) + "\n" + gap_causes(profiler, gaps_at(profiler))
-
-
-def gaps_at(profiler) -> list[tuple[int, int, int]]:
-    """(gap start, gap end, correlation id of the kernel after it) for every gap of 20 us or more."""
-    kernels = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.correlation_id())
-                     for e in profiler.profiler.kineto_results.events()
-                     if e.device_type() == DeviceType.CUDA and not e.is_user_annotation())
-    out, end = [], None
-    for start, stop, corr in kernels:
-        if end is not None and start - end >= 20_000:
-            out.append((end, start, corr))
-        end = stop if end is None else max(end, stop)
-    return out
-
-
-def gap_causes(profiler, gaps: list[tuple[int, int, int]], top: int = 25) -> str:
-    """What the host was doing while the device idled: for each gap, the innermost host operator (with its
-    Python stack under PROFILE_GAPS=stack) around the launch of the kernel after the gap, when that launch came
-    after the gap began (the host was late); gap time summed by that operator and by the loom frame."""
-    events = list(profiler.profiler.kineto_results.events())
-    host = [e for e in events if e.device_type() == DeviceType.CPU]
-    launch = {e.correlation_id(): e for e in host if e.correlation_id()}
-    ops = sorted((e for e in host if not e.name().startswith("cuda") and e.duration_ns() > 0),
-                 key=lambda e: e.start_ns())
-    starts = [e.start_ns() for e in ops]
-    by_op, by_frame, late, rows = {}, {}, 0, []
-    for g0, g1, corr in sorted(gaps, key=lambda g: g[0] - g[1])[:400]:  # the largest
-        rt = launch.get(corr)
-        if rt is None or rt.start_ns() <= g0:
-            continue  # launched before the gap began: the device waited on something else (an event, a copy)
-        late += g1 - g0
-        t = rt.start_ns()
-        window = ops[bisect.bisect_left(starts, t - 200_000_000):bisect.bisect_right(starts, t)]
-        thread = rt.start_thread_id()
-        around = [e for e in window if t <= e.start_ns() + e.duration_ns() and e.start_thread_id() == thread]
-        inner = min(around, key=lambda e: e.duration_ns()) if around else None
-        name = inner.name() if inner is not None else rt.name()
-        frames = [f for e in around for f in (e.stack() or []) if "loom/" in f or "bench/" in f]
-        frame = frames[0] if frames else "?"
-        by_op[name] = by_op.get(name, 0) + g1 - g0
-        by_frame[frame] = by_frame.get(frame, 0) + g1 - g0
-        outer = [e.name()[:40] for e in sorted(around, key=lambda e: -e.duration_ns())[:4]]
-        rows.append((g1 - g0, name, rt.name(), frame, outer))
-    lines = [f"\nof the 400 largest device gaps, those whose next kernel was launched late: {late / 1e6:.1f} ms"]
-    lines += ["by innermost host operator at the launch (ms):"]
-    lines += [f"  {v / 1e6:8.2f}  {k[:100]}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
-    lines += ["by first loom/bench frame (ms):"]
-    lines += [f"  {v / 1e6:8.2f}  {k[:150]}" for k, v in sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]]
-    lines += ["largest:"]
-    lines += [f"  {ns / 1e3:8.1f} us  {op[:50]} via {rt}  {fr[:110]}  {outer}" for ns, op, rt, fr, outer in
-              sorted(rows, key=lambda r: -r[0])[:top]]
-    return "\n".join(lines) + "\n"
-
-
-def write_timeline(profiler, path: str, rank: int, windows: list[tuple[int, int]]) -> None:
-    """This rank's compute kernels over the measured steps as merged busy intervals, in the host's wall-clock
-    ns (kineto maps kernel times onto it, so the ranks of one host line up), and each step's window. NCCL
-    kernels are left out: a receive's kernel runs while it waits for its sender, which is not work."""
-    kernels = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in profiler.profiler.kineto_results.events()
-               if e.device_type() == DeviceType.CUDA and not e.is_user_annotation() and not e.name().startswith("nccl")]
-    with open(path, "w") as f:
-        json.dump({"rank": rank, "steps": windows, "busy": merge_intervals(kernels)}, f)
 
 
 def flops_of(samples, spec: dict) -> float:

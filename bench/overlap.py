@@ -8,6 +8,9 @@ window) and prints, per group, the share of the steps' wall time in which any of
 share of each group's busy time during which the other group was busy too. Without overlap (one side idles
 while the other works) that share is near 0; with the encoders' microbatch i + 1 under the LLM's
 microbatch i it rises toward the smaller group's busy share.
+
+exposed_comm and comm_summary give the share of a step in which only communication ran and the ranks' compute
+skew, which bench/profiling.py's comm_report puts in the benchmarks' JSON line.
 """
 
 from __future__ import annotations
@@ -59,6 +62,37 @@ def overlap_report(busy: dict[str, list[Interval]], windows: list[Interval]) -> 
         report[name] = {"busy_of_wall": round(length(mine) / max(1, wall), 4),
                         "busy_while_others_busy": round(both / max(1, length(mine)), 4)}
     return report
+
+
+def exposed_comm(compute: list[Interval], comm: list[Interval], windows: list[Interval]) -> tuple[float, float]:
+    """One rank over its measured steps: (the share of the steps' wall time in which a communication kernel ran
+    and no compute kernel did, compute-busy time per step in the intervals' unit). A collective under compute is
+    hidden; one alone holds the step up (or waits for a peer, which holds it up as much)."""
+    window = merge_intervals(windows)
+    comm_in = intersect(merge_intervals(comm), window)
+    compute_in = intersect(merge_intervals(compute), window)
+    exposed = length(comm_in) - length(intersect(comm_in, compute_in))
+    return exposed / max(1, length(window)), length(compute_in) / max(1, len(windows))
+
+
+def rank_skew(compute: list[float]) -> float | None:
+    """The largest distance of a rank's compute time from the ranks' mean, as a share of the mean: 0 when every
+    rank computes as long; the slowest rank sets the step and the others wait in the next collective."""
+    mean = sum(compute) / len(compute) if compute else 0
+    return max(abs(c - mean) for c in compute) / mean if mean > 0 else None
+
+
+def comm_summary(per_rank: list[tuple[float, float] | None]) -> dict:
+    """The benchmark's JSON keys from each rank's (exposed share, compute s per step); None for a rank with no
+    device kernels (CPU) makes every key null."""
+    if not per_rank or any(r is None for r in per_rank):
+        return {"exposed_comm_share": None, "exposed_comm_share_per_rank": None, "compute_s_per_step": None,
+                "rank_skew": None}
+    shares, compute = [r[0] for r in per_rank], [r[1] for r in per_rank]
+    skew = rank_skew(compute)
+    return {"exposed_comm_share": round(sum(shares) / len(shares), 4),
+            "exposed_comm_share_per_rank": [round(x, 4) for x in shares],
+            "compute_s_per_step": [round(c, 5) for c in compute], "rank_skew": None if skew is None else round(skew, 4)}
 
 
 def parse_ranks(text: str) -> list[int]:

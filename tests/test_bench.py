@@ -153,18 +153,21 @@ def test_pipeline_grad_reduce_rows_small_run_on_four_cpu_ranks(tmp_path):
 
 def test_noncolocated_row_small_runs_on_two_cpu_ranks():
     """bench/mm_bench.py --small on 2 CPU ranks, non-colocated (encoders on rank 0, the LLM on rank 1), as
-    bench/run_noncolocated.sh runs it: it trains and reports its placement. (That it trains the colocated row's
+    bench/run_noncolocated.sh runs it: it trains and reports its placement, and --comm-report's gather over gloo
+    runs. (That it trains the colocated row's
     numbers is tests/test_noncolocated.py's parity, not run here a second time.)"""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bench/mm_bench.py",
            "--small", "--seq", "256", "--per-gpu", "6", "--steps", "1", "--warmup", "1",
            "--set", "train.microbatches=2", "--set", "layout.vision.ranks=0-0", "--set", "layout.audio.ranks=0-0",
-           "--set", "layout.language.ranks=1-1"]
+           "--set", "layout.language.ranks=1-1", "--comm-report"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
     assert row["placement"] == "non-colocated" and row["layouts"]["language"].endswith("on ranks 1-1")
     assert row["loss"] > 0 and row["tokens_per_s_per_gpu"] > 0
+    # --comm-report gathered over gloo: no device kernels on CPU, so null, not a crash
+    assert row["exposed_comm_share"] is None and row["rank_skew"] is None and row["compute_s_per_step"] is None
 
 
 def test_overlap_of_busy_intervals_counted_by_hand():
@@ -210,13 +213,14 @@ def test_startup_bench_small_runs_on_two_cpu_ranks():
 def test_llm_bench_small_runs_a_text_only_job():
     """bench/llm_bench.py --small: the text-only row beside torchtitan, on CPU, with no recompile counted."""
     cmd = [sys.executable, "bench/llm_bench.py", "--small", "--seq", "128", "--tokens", "256", "--steps", "2",
-           "--warmup", "1"]
+           "--warmup", "1", "--profile", os.devnull]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(next(text for text in out.stdout.splitlines() if text.startswith("{")))
     assert result["tokens_per_step"] == 256 and result["tokens_per_s"] > 0 and result["recompiles"] == 0
     assert len(result["step_times"]) == 2 and result["loss"] > 0
+    assert result["exposed_comm_share"] is None and result["rank_skew"] is None  # profiled, but no CUDA kernel
 
 
 def test_score_bench_small_scores_every_target_chunked_or_whole():
@@ -324,3 +328,47 @@ def test_run_tt_passes_the_anchor_command_and_prints_one_row_per_size(tmp_path):
     assert [(r["tokens_per_gpu"], r["tps"]) for r in rows] == [(8192, [1004]), (16384, [2004])]
     log = (tmp_path / "tt.jsonl.tt-4-16384.log").read_text()
     assert "NGPU=4 NVLS=0" in log and "--training.steps 25 --metrics.log_freq 5" in log
+
+
+def test_exposed_communication_and_rank_skew_counted_by_hand():
+    """bench/overlap.py: two steps [0, 100) and [200, 300) (200 ns of wall); kernels outside them do not count.
+    Communication inside: [30, 70) and [240, 290), 90 ns; under compute: [30, 40), [60, 70), [240, 250), 30 ns;
+    so 60 ns ran alone, 0.3 of the wall. Compute inside: 40 + 40 + 50 = 130 ns, 65 per step."""
+    from bench.overlap import comm_summary, exposed_comm, rank_skew
+    compute = [(0, 40), (60, 100), (200, 250), (150, 180)]
+    comm = [(30, 70), (240, 290), (120, 130), (35, 45)]  # (35, 45) overlaps another collective: counted once
+    assert exposed_comm(compute, comm, [(0, 100), (200, 300)]) == (0.3, 65.0)
+    assert exposed_comm(compute, [], [(0, 100)]) == (0.0, 80.0)  # no collective: nothing exposed
+    assert rank_skew([0.5, 0.75, 0.25, 0.5]) == 0.5 and rank_skew([2.0, 2.0]) == 0  # mean 0.5, farthest 0.25 off
+    summary = comm_summary([(0.3, 0.5), (0.1, 0.75), (0.2, 0.25), (0.2, 0.5)])
+    assert summary == {"exposed_comm_share": 0.2, "exposed_comm_share_per_rank": [0.3, 0.1, 0.2, 0.2],
+                       "compute_s_per_step": [0.5, 0.75, 0.25, 0.5], "rank_skew": 0.5}
+    assert set(comm_summary([(0.3, 0.5), None]).values()) == {None}  # a rank without kernels (CPU): all null
+
+
+def test_comm_report_sorts_nccl_kernels_from_compute():
+    """bench/profiling.py on a stand-in kineto trace: NCCL's kernels (both namings) are communication, every other
+    device activity compute, host events and GPU-side annotations neither; one rank, no process group."""
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+    from bench.profiling import comm_report, kernel_intervals
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):  # start, end in us
+        start, end = start * 1000, end * 1000
+        return SimpleNamespace(name=lambda: name, start_ns=lambda: start, duration_ns=lambda: end - start,
+                               device_type=lambda: device, is_user_annotation=lambda: annotation)
+
+    events = [event("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0, 400),
+              event("ncclKernel_ReduceScatter_RING_LL_Sum_float(ncclWorkElem)", 1_500, 2_000),
+              event("sm90_xmma_gemm_bf16bf16_bf16f32", 100, 1_000),
+              event("Memcpy DtoD (Device -> Device)", 1_000, 1_100),
+              event("aten::mm", 0, 2_000, device=DeviceType.CPU), event("## forward ##", 0, 2_000, annotation=True)]
+    profiler = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    assert kernel_intervals(profiler) == ([(100_000, 1_000_000), (1_000_000, 1_100_000)],
+                                          [(0, 400_000), (1_500_000, 2_000_000)])
+    # one step [0, 2 ms): 0.1 + 0.5 ms of collectives alone; 1 ms of compute
+    step = [(0, 2_000_000)]
+    assert comm_report(profiler, step, torch.device("cpu")) == {
+        "exposed_comm_share": 0.3, "exposed_comm_share_per_rank": [0.3], "compute_s_per_step": [0.001],
+        "rank_skew": 0.0}
+    assert comm_report(None, step, torch.device("cpu"))["exposed_comm_share"] is None  # CPU: no trace
