@@ -115,8 +115,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
     eval_max_new_tokens: int = 64  # exact match generates at most this many tokens (up to the longest answer)
     compile: bool = False  # torch.compile each transformer block (fuses norms, activations, rotary)
-    # what train.compile compiles with: "aot_eager" traces the same graphs (dynamo + AOTAutograd) and runs them
-    # without generated code, which is how the CPU tests check compile in seconds instead of minutes
+    # "aot_eager": the same graphs (dynamo + AOTAutograd) run without generated code (CPU tests: seconds, not minutes)
     compile_backend: str = choice("inductor", "inductor", "aot_eager")
     # "reduce-overhead": each block replayed as a CUDA graph (one launch, not one per kernel), on one GPU: the
     # LLM's blocks captured once; an encoder's rows rounded up to a quarter of its budget, each count captured once
@@ -187,6 +186,7 @@ class ParallelConfig:
     blocks_per_unit: int = 1  # FSDP2: consecutive blocks gathered together (fewer, larger collectives and hooks)
     module_blocks_per_unit: dict = field(default_factory=dict)  # per module, over blocks_per_unit: {vision = 9}
     fsdp_prefetch: int = 1  # FSDP2: all-gathers issued this many units ahead, forward and backward (0: FSDP2's own)
+    reduce_dtype: str = choice("fp32", "fp32", "bf16")  # FSDP2 under train.dtype = bf16: gradients reduced in this
     debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks
     timeout_s: int = 600  # a collective that does not complete in this time ends the run with an error
     # LLM pipeline (layout.language.pp > 1): torch.distributed.pipelining's schedule over the M microbatches

@@ -41,9 +41,12 @@ def blocks_per_unit(module: str, par: ParallelConfig) -> int:
     return par.module_blocks_per_unit.get(module, par.blocks_per_unit)
 
 
-def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
-    if dtype == "bf16":  # compute in bf16, reduce gradients in fp32, keep fp32 master weights
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def mixed_precision(dtype: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    """bf16: compute in bf16, keep fp32 master weights, reduce gradients in `reduce_dtype` (bf16 halves the
+    reduce-scatters' bytes, each rank's bf16 gradient summed in bf16)."""
+    if dtype == "bf16":
+        reduce = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     return MixedPrecisionPolicy()
 
 

@@ -56,8 +56,10 @@ def parallelize_language(name: str, llm: nn.Module, grid: Grid | None, cfg: JobC
                          seq_dim=0 if cfg.data.format == "thd" else 1)
         # experts split over ep and sharded over efsdp before the blocks' FSDP2, which then skips their weights
         if lay.ep > 1:
-            apply_expert_parallel(part, expert_mesh(grid, device_type), mixed_precision(train.dtype), reshard)
+            apply_expert_parallel(part, expert_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),
+                                  reshard)
         # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
         apply_fsdp(part, transformer_blocks(name, part), fsdp.fsdp_mesh(grid, device_type),
-                   mixed_precision(train.dtype), reshard, fsdp.blocks_per_unit(name, par), par.fsdp_prefetch)
+                   mixed_precision(train.dtype, par.reduce_dtype), reshard, fsdp.blocks_per_unit(name, par),
+                   par.fsdp_prefetch)
     return llm
