@@ -182,9 +182,10 @@ class LayoutConfig:
 @dataclass
 class ParallelConfig:
     backend: str = choice("auto", "auto", "gloo", "nccl")  # auto: NCCL with CUDA, gloo without
-    reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (less memory)
-    blocks_per_unit: int = 1  # FSDP2: consecutive blocks gathered together (fewer, larger collectives and hooks)
-    module_blocks_per_unit: dict = field(default_factory=dict)  # per module, over blocks_per_unit: {vision = 9}
+    # FSDP2: free gathered block weights after forward (true: less memory, one more gather per block in backward)
+    reshard_after_forward: bool = False
+    blocks_per_unit: int = 1  # FSDP2: the LLM's consecutive blocks gathered together (fewer collectives and hooks)
+    module_blocks_per_unit: dict = field(default_factory=dict)  # per module: {vision = 9} (encoders: a third)
     fsdp_prefetch: int = 1  # FSDP2: all-gathers issued this many units ahead, forward and backward (0: FSDP2's own)
     reduce_dtype: str = choice("fp32", "fp32", "bf16")  # FSDP2 under train.dtype = bf16: gradients reduced in this
     debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks

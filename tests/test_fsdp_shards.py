@@ -110,13 +110,19 @@ def _units_and_prefetch(overrides: list[str]) -> dict[str, list]:
 
 
 def test_units_prefetch_ahead_and_the_last_keeps_its_weights(worlds):
-    """Unit i gathers unit i+1 (forward) and i−1 (backward) ahead; every unit reshards after forward but the
-    last, whose backward comes right after its forward. The LLM has 4 blocks, the ViT 2 (configs' defaults)."""
-    per_rank = worlds.run(2, _units_and_prefetch, [])
+    """Unit i gathers unit i+1 (forward) and i−1 (backward) ahead; with reshard_after_forward every unit
+    reshards after forward but the last, whose backward comes right after its forward; without it (the default)
+    none does. The LLM has 4 blocks, the ViT 2 and the audio encoder 2 (configs' defaults): an encoder's units
+    are a third of its blocks by default, so one block each here."""
+    per_rank = worlds.run(2, _units_and_prefetch, ["--parallel.reshard_after_forward=true"])
     assert per_rank[0]["language"] == [(0, True, [1], []), (1, True, [2], [0]), (2, True, [3], [1]),
                                        (3, False, [], [2])]
     assert per_rank[0]["vision"] == [(0, True, [1], []), (1, False, [], [0])]
-    two = worlds.run(2, _units_and_prefetch, ["--parallel.fsdp_prefetch=2",
-                                              "--parallel.module_blocks_per_unit.language=2"])
+    kept = worlds.run(2, _units_and_prefetch, [])
+    assert kept[0]["language"] == [(0, False, [1], []), (1, False, [2], [0]), (2, False, [3], [1]),
+                                   (3, False, [], [2])]
+    two = worlds.run(2, _units_and_prefetch, ["--parallel.fsdp_prefetch=2", "--parallel.reshard_after_forward=true",
+                                              "--parallel.module_blocks_per_unit.language=2",
+                                              "--model.vision.num_layers=7"])
     assert two[0]["language"] == [(0, True, [2], []), (2, False, [], [0])]  # units of 2 blocks: 0-1, 2-3
-    assert two[0]["vision"] == [(0, True, [1], []), (1, False, [], [0])]
+    assert two[0]["vision"] == [(0, True, [3, 6], []), (3, True, [6], [0]), (6, False, [], [3, 0])]  # ⌈7/3⌉ = 3

@@ -45,7 +45,7 @@ LAYOUTS = {
     "dp4": (4, []),
     "dp2xtp2": (4, tp(2)),
     "dp2xtp2-sp-bshd": (4, tp(2) + SP + ["--data.pad_to_multiple=2", "--data.format=bshd"]),
-    "dp4-fsdp-units-of-3-blocks": (4, ["--parallel.blocks_per_unit=3"]),
+    "dp4-fsdp-units-of-3-blocks": (4, ["--parallel.blocks_per_unit=3", "--parallel.reshard_after_forward=true"]),
     # 2 samples per replica: in some steps a replica holds no image or no audio clip, and still runs that
     # encoder for FSDP's collectives
     "dp4-replicas-without-images-or-audio": (4, ["--train.global_batch_size=8"]),

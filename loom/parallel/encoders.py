@@ -46,7 +46,7 @@ def parallelize_encoder(name: str, encoder: nn.Module, grid: Grid | None, cfg: J
     if lay.tp > 1:
         apply_encoder_tp(encoder, grid.mesh("tp", device_type=device_type), lay.sequence_parallel)
     # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
-    apply_fsdp(encoder, transformer_blocks(name, encoder), fsdp.fsdp_mesh(grid, device_type),
-               mixed_precision(train.dtype, par.reduce_dtype), par.reshard_after_forward,
-               fsdp.blocks_per_unit(name, par), par.fsdp_prefetch)
+    blocks = transformer_blocks(name, encoder)
+    apply_fsdp(encoder, blocks, fsdp.fsdp_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),
+               par.reshard_after_forward, fsdp.blocks_per_unit(name, len(blocks), par), par.fsdp_prefetch)
     return encoder

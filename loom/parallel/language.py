@@ -59,7 +59,7 @@ def parallelize_language(name: str, llm: nn.Module, grid: Grid | None, cfg: JobC
             apply_expert_parallel(part, expert_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),
                                   reshard)
         # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
-        apply_fsdp(part, transformer_blocks(name, part), fsdp.fsdp_mesh(grid, device_type),
-                   mixed_precision(train.dtype, par.reduce_dtype), reshard, fsdp.blocks_per_unit(name, par),
-                   par.fsdp_prefetch)
+        blocks = transformer_blocks(name, part)
+        apply_fsdp(part, blocks, fsdp.fsdp_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),
+                   reshard, fsdp.blocks_per_unit(name, len(blocks), par), par.fsdp_prefetch)
     return llm
