@@ -183,6 +183,10 @@ def test_fsdp_bytes_for_a_known_parameter_count():
     slow_links = {k: {4: Link(1.0, 1e30)} for k in ("all_gather", "all_reduce")}
     per_unit = module_costs(SIZES, ModuleLayout(dp=4), s, 100, [100], 1, unit_calibration(collectives=slow_links))
     assert per_unit.seconds["fsdp"] == pytest.approx(3 * 2 + 3)
+    # both blocks in one unit (parallel.module_blocks_per_unit): one unit + the root, each a latency
+    one_unit = replace(s, unit_blocks={SIZES.name: 2})
+    assert module_costs(SIZES, ModuleLayout(dp=4), one_unit, 100, [100], 1,
+                        unit_calibration(collectives=slow_links)).seconds["fsdp"] == pytest.approx(2 * 2 + 2)
 
 
 def test_a_split_layer_pays_its_measured_extra_host_time():

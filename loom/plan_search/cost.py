@@ -101,7 +101,8 @@ class Settings:
     microbatches: int = 1
     tokens_per_microbatch: int = 0  # 0: each replica's share as it comes
     activation_checkpointing: str = "none"
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = False
+    unit_blocks: dict[str, int] = field(default_factory=dict)  # blocks per FSDP2 unit, by module (absent: 1)
     pp_grad_reduce: str = "step"
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
@@ -215,10 +216,11 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     dense, experts = m.params - m.expert_params, m.expert_params / lay.ep
     shard_group, expert_group = dp * cp, dp * cp // lay.ep
     gathers = runs_per_step * (2 if s.reshard_after_forward else 1)
+    per_unit = s.unit_blocks.get(m.name, 1)
     reduces = runs_per_step if (pp > 1 and s.pp_grad_reduce == "microbatch") else 1
     fsdp = 0.0
-    # one FSDP unit per block, plus the root (embeddings, head, norms): a collective per unit, not per module
-    units = ((layers + 1, dense, shard_group), (max(1, m.sparse_layers // pp), experts, expert_group))
+    # one FSDP unit per run of `per_unit` blocks, plus the root (embeddings, head, norms): a collective per unit
+    units = ((-(-layers // per_unit) + 1, dense, shard_group), (max(1, m.sparse_layers // pp), experts, expert_group))
     for calls, params, group in units:
         fsdp += gathers * collective_s(cal, "all_gather", group, fsdp_bytes(params, tp, pp, s.dtype_bytes), calls)
         fsdp += reduces * collective_s(cal, "reduce_scatter", group, fsdp_bytes(params, tp, pp, 4), calls)
@@ -232,8 +234,9 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     c.bytes["weights+grads+adamw"] = STATE_BYTES * local_params
     if runs_per_step > 1 or pp > 1:  # gradients accumulate unsharded until the step's reduce-scatter
         c.bytes["accumulated grads"] = 4 * unsharded if s.pp_grad_reduce == "step" else 0.0
-    kept_units = layers if not s.reshard_after_forward else min(layers, 2)  # resharded: this block and the next
-    c.bytes["gathered weights"] = unsharded * s.dtype_bytes * kept_units / layers
+    # resharded: this unit, the next one (prefetched) and the last (kept for its backward); else every block
+    kept_blocks = layers if not s.reshard_after_forward else min(layers, 3 * per_unit)
+    c.bytes["gathered weights"] = unsharded * s.dtype_bytes * kept_blocks / layers
     in_flight = 1
     if pp > 1:
         in_flight = runs_per_step if s.pp_schedule == "gpipe" else min(pp, runs_per_step)

@@ -20,6 +20,7 @@ from loom.data.bins import DoesNotFit, assign_bins
 from loom.job import load_config
 from loom.plan_search.calibration import Calibration
 from loom.plan_search.cost import Estimate, ModuleLayout, Settings, estimate
+from loom.parallel.fsdp import blocks_per_unit
 from loom.plan_search.workload import JobFacts
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
@@ -134,6 +135,8 @@ def settings_of(cfg: JobConfig, c: Candidate) -> Settings:
                     tokens_per_microbatch=c.tokens_per_microbatch,
                     activation_checkpointing=cfg.train.activation_checkpointing,
                     reshard_after_forward=cfg.parallel.reshard_after_forward,
+                    unit_blocks={n: blocks_per_unit(n, getattr(cfg.model, n).num_layers, cfg.parallel)
+                                 for n in ("language", *cfg.model.encoders)},
                     pp_grad_reduce=cfg.parallel.pp_grad_reduce,
                     pp_schedule=cfg.parallel.pp_schedule, pp_virtual_stages=cfg.parallel.pp_virtual_stages,
                     sequence_parallel=bool(cfg.layout.language and cfg.layout.language.sequence_parallel))
