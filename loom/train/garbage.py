@@ -12,12 +12,13 @@ import gc
 
 
 def collect_at(step: int, every: int) -> None:
-    """At the start of optimizer step `step`: the automatic collector off, a full collection every `every` steps
-    (full, not the young generations alone: cycles that reached the oldest would otherwise never be freed);
-    `every` = 0 leaves the collector to Python."""
+    """At the start of optimizer step `step`: the automatic collector off, a full collection every `every` steps,
+    step 0 included (what an earlier job in the same process left, e.g. `loom verify` after `train`); full, not
+    the young generations alone: cycles that reached the oldest would otherwise never be freed. `every` = 0
+    leaves the collector to Python."""
     if every <= 0:
         return
     if gc.isenabled():
         gc.disable()
-    if step % every == 0 and step > 0:
+    if step % every == 0:
         gc.collect()
