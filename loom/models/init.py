@@ -3,7 +3,9 @@
 A job builds its model on the `meta` device, applies the layout, and only then gives each rank storage for
 its shards (loom/parallel/materialize.py). So no tensor can be drawn from one global random stream in
 construction order — that order, and which tensors a rank holds, change with the layout. Instead each
-parameter is drawn whole from a generator seeded by (seed, its one-process name), and a rank keeps its part:
+parameter is drawn from generators seeded by (seed, its one-process name): a tensor of at most `DRAW_BLOCK`
+elements in one draw, a larger one in blocks of whole rows (dim 0), block b from (seed, name, b); a rank draws
+only the blocks its part overlaps (not the whole tensor: a DeepSeek-V3 stacked expert weight is 15 GB), and
 every layout, and the one-process reference, start from the same weights.
 
 The rules are torch's own defaults (nn.Linear / Conv: U(±1/√fan_in); nn.Embedding: N(0, 1); norms: ones and
@@ -30,26 +32,57 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+# elements one seeded draw covers at most: tensors up to this size (every one of the tiny test models') are one
+# draw, as before blocks existed; a larger one is drawn in blocks of whole rows of about this size
+DRAW_BLOCK = 1 << 24
+
+Box = tuple[slice, ...]
+
+
 def initial_value(name: str, owner: nn.Module, attr: str, shape: torch.Size, seed: int, device: torch.device,
-                  llm_std: float | None) -> torch.Tensor:
-    """The whole initial tensor `owner.<attr>` (one-process name `name`), fp32 on `device`. `llm_std`: the
-    LLM's init_std when the tensor belongs to the LLM, else None. The same (seed, name, device type) always
-    gives the same values."""
+                  llm_std: float | None, box: Box | None = None) -> torch.Tensor:
+    """The part `box` (one slice per dim; None: the whole) of the initial tensor `owner.<attr>` (one-process
+    name `name`, whole shape `shape`), fp32 on `device`. `llm_std`: the LLM's init_std when the tensor belongs to
+    the LLM, else None. The same (seed, name, device type) always gives the same values, whatever the box."""
+    box = tuple(slice(0, n) for n in shape) if box is None else box
+    part = tuple(b.stop - b.start for b in box)
     if isinstance(owner, (RMSNorm, nn.LayerNorm)):
-        return torch.ones(shape, device=device) if attr == "weight" else torch.zeros(shape, device=device)
-    gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
-    out = torch.empty(shape, device=device)
-    if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding)):
-        return out.normal_(0.0, llm_std, generator=gen) if attr == "weight" else out.zero_()
-    if llm_std is not None and isinstance(owner, (Router, Experts)):  # every tensor a weight (gate_proj, …)
-        return out.normal_(0.0, llm_std, generator=gen)
+        return torch.ones(part, device=device) if attr == "weight" else torch.zeros(part, device=device)
+    if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding)) and attr != "weight":
+        return torch.zeros(part, device=device)
+    return _drawn(name, shape, box, seed, device, _rule(name, owner, attr, llm_std))
+
+
+def _rule(name: str, owner: nn.Module, attr: str, llm_std: float | None):
+    """How `owner`'s tensor is drawn: a function filling a tensor in place from a generator."""
+    if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding, Router, Experts)):
+        return lambda t, gen: t.normal_(0.0, llm_std, generator=gen)  # Router / Experts: every tensor a weight
     if isinstance(owner, nn.Embedding):
-        return out.normal_(0.0, 1.0, generator=gen)
+        return lambda t, gen: t.normal_(0.0, 1.0, generator=gen)
     if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d)):
         bound = 1.0 / math.sqrt(math.prod(owner.weight.shape[1:]))  # fan_in: in_features × kernel size (global shape)
-        return out.uniform_(-bound, bound, generator=gen)
+        return lambda t, gen: t.uniform_(-bound, bound, generator=gen)
     raise TypeError(f"{name}: no initialisation rule for a {type(owner).__name__}.{attr}; add one to "
                     f"loom/models/init.py::initial_value")
+
+
+def _drawn(name: str, shape: torch.Size, box: Box, seed: int, device: torch.device, fill) -> torch.Tensor:
+    """`box` of the tensor the blocks' draws make: only the blocks of rows the box overlaps are drawn."""
+    row = math.prod(shape[1:])
+    rows_per_block = max(1, DRAW_BLOCK // max(1, row))
+    if not shape or shape[0] <= rows_per_block:  # one draw, the whole tensor
+        whole = torch.empty(shape, device=device)
+        fill(whole, torch.Generator(device=device).manual_seed(name_seed(seed, name)))
+        return whole[box]
+    first, stop = box[0].start, box[0].stop
+    out = torch.empty(tuple(b.stop - b.start for b in box), device=device)
+    for b in range(first // rows_per_block, -(-stop // rows_per_block)):
+        lo, hi = b * rows_per_block, min(shape[0], (b + 1) * rows_per_block)
+        block = torch.empty((hi - lo, *shape[1:]), device=device)
+        fill(block, torch.Generator(device=device).manual_seed(name_seed(seed, f"{name}#{b}")))
+        a, z = max(lo, first), min(hi, stop)  # the box's rows in this block
+        out[a - first : z - first] = block[(slice(a - lo, z - lo), *box[1:])]
+    return out
 
 
 def give_storage(module: nn.Module, device: torch.device | str) -> None:

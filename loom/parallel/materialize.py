@@ -3,9 +3,10 @@
 A job never builds its model whole: `build_job_model` makes it on the meta device, `parallelize` applies the
 layout there (TP and FSDP2 turn the parameters into DTensors of meta shards), and `materialize` then gives
 this rank storage for what it holds and writes each tensor's local part — read from the module's Hugging
-Face folder (only that part of the file), or cut from a draw seeded by the tensor's name (models/init.py).
-So a rank's memory at start-up is its shards plus one tensor, and every layout starts from the weights the
-one-process reference starts from (loom verify compares them after every step).
+Face folder (only that part of the file), or drawn from generators seeded by the tensor's name, only the
+blocks of rows its part overlaps (models/init.py). So a rank's memory at start-up is its shards plus one block,
+and every layout starts from the weights the one-process reference starts from (loom verify compares them after
+every step).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class InitialWeights:
     def _drawn(self, name: str, owner: nn.Module, attr: str, shape: torch.Size, box: tuple[slice, ...],
                device: torch.device) -> torch.Tensor:
         llm_std = self.llm_std if name.startswith("language.") else None
-        return initial_value(name, owner, attr, shape, self.seed, device, llm_std)[box]
+        return initial_value(name, owner, attr, shape, self.seed, device, llm_std, box)
 
     def close(self) -> None:
         for weights in self.folders.values():

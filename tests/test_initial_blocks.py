@@ -1,0 +1,60 @@
+"""models/init.py: a large tensor's initial value is drawn in blocks of rows, each seeded by (seed, name, block),
+and a rank draws only the blocks its part overlaps — the same values for any part as the whole draw has there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import loom.models.init as init
+from loom.models.init import initial_value, name_seed
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 64 elements, so a test-sized tensor spans several; every seed drawn recorded."""
+    monkeypatch.setattr(init, "DRAW_BLOCK", 64)
+    drawn = []
+    seed_of = init.name_seed
+    monkeypatch.setattr(init, "name_seed", lambda seed, name: drawn.append(name) or seed_of(seed, name))
+    return drawn
+
+
+def _value(owner: nn.Module, shape, box=None, std=0.02):
+    return initial_value("language.w", owner, "weight", torch.Size(shape), 7, torch.device("cpu"), std, box)
+
+
+def test_any_part_equals_the_whole_draw_there(small_blocks):
+    lin = nn.Linear(16, 40, device="meta")  # [40, 16]: 4 rows per block, 10 blocks
+    whole = _value(lin, (40, 16))
+    for box in [(slice(0, 40), slice(0, 16)), (slice(10, 20), slice(0, 16)), (slice(0, 40), slice(8, 16)),
+                (slice(3, 37), slice(5, 11)), (slice(39, 40), slice(0, 1))]:
+        assert torch.equal(_value(lin, (40, 16), box), whole[box]), box
+    experts = nn.Embedding(6, 4, device="meta")  # a 3-D stacked weight: rows of 4 × 8 = 32 elements, 2 per block
+    whole3 = initial_value("e", experts, "weight", torch.Size((6, 4, 8)), 0, torch.device("cpu"), None)
+    box3 = (slice(1, 5), slice(2, 4), slice(0, 8))
+    assert torch.equal(initial_value("e", experts, "weight", torch.Size((6, 4, 8)), 0, torch.device("cpu"), None,
+                                     box3), whole3[box3])
+
+
+def test_a_part_draws_only_the_blocks_it_overlaps(small_blocks):
+    lin = nn.Linear(16, 40, device="meta")
+    _value(lin, (40, 16), (slice(10, 20), slice(0, 16)))  # rows 10-19: blocks 2, 3, 4 (4 rows each)
+    assert small_blocks == ["language.w#2", "language.w#3", "language.w#4"]
+
+
+def test_blocks_are_independent_draws_of_the_rule(small_blocks):
+    lin = nn.Linear(16, 4000, device="meta")
+    whole = _value(lin, (4000, 16))
+    assert not torch.equal(whole[0:4], whole[4:8])  # not one stream repeated per block
+    assert abs(whole.std().item() - 0.02) < 0.001 and abs(whole.mean().item()) < 0.001
+
+
+def test_a_tensor_of_one_block_is_one_draw_as_before():
+    """Up to DRAW_BLOCK elements (every tensor of the tiny models) the value is one draw seeded by (seed, name):
+    the initial weights those models had before blocks existed."""
+    lin = nn.Linear(16, 40, device="meta")
+    gen = torch.Generator().manual_seed(name_seed(7, "language.w"))
+    expected = torch.empty(40, 16).normal_(0.0, 0.02, generator=gen)
+    assert torch.equal(_value(lin, (40, 16)), expected)
