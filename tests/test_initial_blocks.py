@@ -58,3 +58,24 @@ def test_a_tensor_of_one_block_is_one_draw_as_before():
     gen = torch.Generator().manual_seed(name_seed(7, "language.w"))
     expected = torch.empty(40, 16).normal_(0.0, 0.02, generator=gen)
     assert torch.equal(_value(lin, (40, 16)), expected)
+
+
+def _verify_with_small_blocks(overrides: list[str]) -> list[dict]:
+    """run_verify with blocks of 64 elements: every weight of the tiny model spans several blocks."""
+    from oracle import run_verify
+
+    block, init.DRAW_BLOCK = init.DRAW_BLOCK, 64
+    try:
+        return run_verify(overrides, 1)
+    finally:
+        init.DRAW_BLOCK = block
+
+
+def test_every_layout_starts_from_the_reference_weights_drawn_in_blocks(worlds):
+    """dp2·tp2 (+ SP): FSDP2's row shards and TP's column shards each draw their blocks; loom verify compares the
+    start bitwise with the one-process reference, which draws every block, before its step."""
+    from oracle import assert_all_passed
+
+    overrides = ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2",
+                 "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]
+    assert_all_passed("dp2xtp2-blocks", worlds.run(4, _verify_with_small_blocks, overrides, timeout=300), 1)
