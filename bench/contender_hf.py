@@ -10,8 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from bench.flops import matmul_params
-from bench.mm_bench import flops_of
+from bench.flops import flops_of, matmul_params
 from loom.data.batch import IGNORE_INDEX
 from loom.data.tokenizer import ByteTokenizer
 

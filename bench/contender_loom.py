@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bench.flops import matmul_params
-from bench.mm_bench import flops_of
+from bench.flops import flops_of, matmul_params
 from loom.models.encoder_layer import ROW_MULTIPLE
 from loom.parallel.compile import row_budgets
 from loom.train.build import build_job

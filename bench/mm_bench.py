@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.flops import peak_matmul_tflops, step_flops
+from bench.flops import flops_of, peak_matmul_tflops  # noqa: F401 (flops_of: tests/test_bench.py reads it here)
 from bench.overlap import comm_summary
 from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile, write_timeline
 from bench.workload import SMALL, PackedSteps, Shape
@@ -222,17 +222,6 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     t = torch.tensor([value], device="cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one rank's recompile stalls every rank under FSDP
     return int(t)
-
-
-def flops_of(samples, spec: dict) -> float:
-    """Training FLOPs of `samples` (bench/flops.py); `spec` holds the modules' matmul sizes and depths."""
-    patch = spec["patch"]
-    patches = spec.get("patches_per_image") or None
-    items = [patches or (i.shape[-2] // patch) * (i.shape[-1] // patch) for s in samples for i in s.images]
-    frames = [(c.shape[-1] + 1) // 2 for s in samples for c in s.audio] if spec.get("audio") else []
-    lengths = [spec["llm_length"](s) for s in samples]
-    encoders = [(*spec["vision"], items)] + ([(*spec["audio"], frames)] if spec.get("audio") else [])
-    return step_flops(*spec["llm"], lengths, encoders)
 
 
 if __name__ == "__main__":

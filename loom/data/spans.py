@@ -14,6 +14,10 @@ import torch
 # as much as the real work again at the 2B benchmark's fill. Pieces cut it to ~F²/8 (the step: 1–1.5% at 16K
 # tokens, bench/RESULTS.md); each adds only an empty block per head to the attention kernels' grid.
 FILLER_PIECES = 8
+# an encoder's packed stream is rounded up to this many rows with filler rows (segments attending only to
+# themselves, dropped after the layers): the layers then see few distinct sizes, which keeps torch.compile's
+# variants few (here, not in models/encoder_layer.py: topology/checks.py checks sequence parallel against it)
+ROW_MULTIPLE = 64
 
 
 def filler_lengths(fill: int, multiple: int = 1) -> list[int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from loom.data.spans import FILLER_PIECES, TokenSpans, filler_lengths
+from loom.data.spans import FILLER_PIECES, ROW_MULTIPLE, TokenSpans, filler_lengths
 from loom.models.attention import attend
 from loom.models.layers import GeluMLP, project
 
@@ -43,9 +43,6 @@ class EncoderLayer(nn.Module):
         return h + self.mlp(self.layer_norm2(h))
 
 
-# the packed stream is rounded up to this many rows with filler rows (segments attending only to themselves,
-# dropped after the layers): the layers then see few distinct sizes, which keeps torch.compile's variants few
-ROW_MULTIPLE = 64
 # under CUDA graphs (train.compile_mode = "reduce-overhead") each distinct row count is captured once, and once
 # more for every combination with the other encoders' counts (a graph tree's path, the LLM's graphs below it:
 # 5–7 s each on an H200 at T = 8192): rows are rounded up to a quarter of the budget, so at most 4 per encoder

@@ -21,9 +21,9 @@ import torch.nn as nn
 
 from loom.models.encoder_layer import run_packed
 from loom.models.multimodal import ModalityEncoder
+from loom.models.sizes import matmul_params
 from loom.parallel.pipeline import balanced_sizes
 from loom.topology.role import StagePosition
-from loom.train.flops import matmul_params
 
 
 def split_encoder_layers(modality: ModalityEncoder, stages: int) -> list[list[int]]:

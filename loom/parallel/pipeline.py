@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,6 @@ from torch.distributed.tensor import DTensor
 
 from loom.data.batch import Batch
 from loom.models.llm import DecoderLM, LLMConfig, at_rows, embed_with_inserts
-
-if TYPE_CHECKING:
-    from loom.parallel.tied import TiedEmbedding
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -269,9 +266,10 @@ class Pipeline:
 
     def __init__(self, lm: PipelinedLM, schedule: str, microbatches: int, group: dist.ProcessGroup,
                  device: torch.device, hidden_dtype: torch.dtype, tp_shards: int, grad_reduce: str = "step",
-                 tied: TiedEmbedding | None = None) -> None:
+                 sum_tied_grads: Callable[[], None] | None = None) -> None:
         self.lm, self.indices, self.table, self.n_stages = lm, lm.indices, lm.table, lm.n_stages
-        self.tied = tied  # an embedding tied to the head: its two copies' gradients are summed after the schedule
+        # an embedding tied to the head (parallel/tied.py): its two copies' gradients are summed after the schedule
+        self.sum_tied_grads = sum_tied_grads
         self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
         self.stage_class = ShardedGradStage if grad_reduce == "microbatch" else RowsAwareStage
         self.hidden_dtype, self.tp_shards = hidden_dtype, tp_shards  # tp_shards: tokens split over tp (SP)
@@ -315,6 +313,6 @@ class Pipeline:
             run(torch.cat(ids), target=mb, losses=losses, mb=mb, return_outputs=False)
         finally:
             self.table.microbatches, self.table.rows, self.table.loss = [], None, None
-        if train and self.tied is not None:
-            self.tied.sum_grads()
+        if train and self.sum_tied_grads is not None:
+            self.sum_tied_grads()
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)

@@ -1,2 +1,3 @@
-"""Reinforcement learning on loom's step: per-token statistics of the policy (token_stats.py) and the RL
-objectives that plug into the step's objective seam (grpo.py)."""
+"""Reinforcement learning on loom's step: the RL objectives that plug into the step's objective seam (grpo.py,
+dpo.py) and the loop around the step (loop.py: sampling, rewards, scoring); the per-token statistics and the
+reference policy the step itself uses are train/'s (train/token_stats.py, train/reference.py)."""

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 from loom.config import DPOConfig
 from loom.data.batch import IGNORE_INDEX, Batch, sequence_index
-from loom.rl.grpo import REFERENCE
 from loom.rl.metric_sums import MetricSums
-from loom.rl.token_stats import chunked_token_stats, sum_over_shards
 from loom.train.inputs import StepInputs
+from loom.train.token_fields import REFERENCE
+from loom.train.token_stats import chunked_token_stats, sum_over_shards
 
 SEQUENCE = "dpo_sequence"  # each token's sequence in its whole microbatch: derived before CP splits it
 METRICS = ("reward_margin", "accuracy", "chosen_reward", "rejected_reward")

@@ -22,10 +22,10 @@ import torch
 from loom.config import GRPOConfig
 from loom.data.batch import IGNORE_INDEX, Batch, sequence_index
 from loom.rl.metric_sums import MetricSums
-from loom.rl.token_stats import chunked_token_stats
 from loom.train.inputs import StepInputs
+from loom.train.token_fields import ADVANTAGE, BEHAVIOUR, REFERENCE
+from loom.train.token_stats import chunked_token_stats
 
-ADVANTAGE, BEHAVIOUR, REFERENCE = "advantage", "logprobs", "ref_logprobs"
 SAMPLER = "sampler_logprobs"  # the sampler's own logprobs (loom rl, one step per iteration): their gap is a metric
 SEQUENCE_WEIGHT = "sequence_weight"  # derived by the objective (normalise = "sequence")
 # sampler_mismatch: the mean |lp − sampler's lp| where the data carries the sampler's, else 0

@@ -35,12 +35,12 @@ from loom.data.batch import round_up
 from loom.data.loader import GlobalBatches
 from loom.data.chat import ChatTokenizer
 from loom.data.sample import Sample
+from loom.models.sampler import Sampler, SamplingParams
 from loom.rl.grpo import BEHAVIOUR, SAMPLER
 from loom.rl.pairs import answer_gains, completion_sample, pair_accuracy, preference_pairs
 from loom.rl.prompts import JsonlPrompts, TrainingPrompts
 from loom.rl.rewards import all_equal, group_advantages, load_reward, reward_of
 from loom.rl.rollouts import PolicyCopy, Prompt, Rollout, sample_rollouts
-from loom.rl.sampler import Sampler, SamplingParams
 from loom.rl.score import score_samples
 from loom.train.evaluate import evaluate
 from loom.train.inputs import limit, plan_inputs

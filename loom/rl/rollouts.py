@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from loom.data.sample import Sample
 from loom.models.multimodal import MultimodalModel, build_model
-from loom.rl.sampler import Completion, Sampler, SamplingParams
+from loom.models.sampler import Completion, Sampler, SamplingParams
 from loom.rl.stream import stream_weights
 
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from loom.data.batch import IGNORE_INDEX, Batch
 from loom.data.sample import Sample
-from loom.rl.token_stats import VocabShard, token_stats, top_k, vocab_shard
 from loom.train.inputs import StepInputs, plan_inputs
 from loom.train.step import forward_pass
+from loom.train.token_stats import VocabShard, token_stats, top_k, vocab_shard
 
 SAMPLE = "score_sample"
 CHUNK_TOKENS = 1024

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from loom.config import ConfigError, JobConfig
-from loom.models.encoder_layer import ROW_MULTIPLE
+from loom.data.spans import ROW_MULTIPLE
 from loom.topology.layout import Layout, Placement, resolve_placement
 
 

@@ -8,7 +8,7 @@ Ranks of a grid are laid out as a [pp, dp, cp, tp] array over its contiguous ran
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,12 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from loom.topology.layout import DIMS, Layout
 
-if TYPE_CHECKING:
-    from loom.topology.groups import GroupRegistry
+
+class GroupSource(Protocol):
+    """Where a grid's process groups come from: topology/groups.py's GroupRegistry, which creates them up front."""
+
+    def get(self, dims: tuple[str, ...], ranks: tuple[int, ...], module: str) -> dist.ProcessGroup: ...
 
 
 class Grid:
-    def __init__(self, layout: Layout, registry: GroupRegistry | None = None) -> None:
+    def __init__(self, layout: Layout, registry: GroupSource | None = None) -> None:
         self.layout = layout
         self.shape = tuple(layout.degree(d) for d in DIMS)
         self.ranks = torch.arange(layout.start, layout.start + layout.size).reshape(self.shape)

@@ -13,14 +13,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from typing import TYPE_CHECKING
-
 import torch.distributed as dist
 
+from loom.topology.grid import Grid
 from loom.topology.layout import DIMS
-
-if TYPE_CHECKING:
-    from loom.topology.grid import Grid
 
 # dims (in DIMS order) → the code that asks for their groups. New code that needs another dim set adds one line.
 GROUP_DIMS: dict[tuple[str, ...], str] = {

@@ -14,8 +14,6 @@ from loom.data.sample import Sample
 from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.materialize import WeightSource, materialize
-from loom.rl.reference import ReferencePolicy
-from loom.checkpoint.read import CheckpointWeights
 from loom.checkpoint.sharded import tied_aliases
 from loom.topology.checks import sample_multiple
 from loom.topology.layout import resolve_placement
@@ -31,6 +29,7 @@ from loom.train.job_model import (
 from loom.train.flops import ModelFlops
 from loom.train.optim import ModuleOptimizers
 from loom.train.rank_plan import RankPlan, setup_parallel
+from loom.train.reference import reference_policy
 
 @dataclass
 class Job:
@@ -90,12 +89,3 @@ def build_job(cfg: JobConfig, device: torch.device | None = None, pretrained: bo
     return Job(cfg, device, tok, model, counters, data, plan, optimizer, build_batches(cfg, data), aliases, names,
                n_params, flops, whole)
 
-
-def reference_policy(model: MultimodalModel, cfg: JobConfig) -> ReferencePolicy | None:
-    """`train.reference`: none, the model's weights as built ("initial"), or a checkpoint's, as this rank's
-    parts beside the model's."""
-    ref = cfg.train.reference
-    if ref == "none":
-        return None
-    temperature = cfg.train.grpo.temperature if cfg.train.objective == "grpo" else 1.0  # DPO's answers: as given
-    return ReferencePolicy(model, temperature, None if ref == "initial" else CheckpointWeights(ref))

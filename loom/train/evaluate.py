@@ -13,7 +13,7 @@ from loom.data.sample import Sample
 from loom.data.tasks import CHANCE
 from loom.data.tokenizer import Vocabulary
 from loom.models.multimodal import MultimodalModel
-from loom.rl.sampler import Sampler, SamplingParams
+from loom.models.sampler import Sampler, SamplingParams
 
 
 def answer_span(sample: Sample) -> tuple[int, int]:

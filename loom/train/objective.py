@@ -17,9 +17,10 @@ step adds them over the world and reports their means.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from loom.config import TrainConfig
 from loom.data.batch import Batch
@@ -27,9 +28,6 @@ from loom.rl.dpo import DPO
 from loom.rl.grpo import GRPO
 from loom.train.inputs import StepInputs
 from loom.train.loss import loss_function
-
-if TYPE_CHECKING:
-    from loom.train.runners import RunContext
 
 
 class Objective(Protocol):
@@ -51,14 +49,15 @@ class SFT:
         return max(1, inputs.supervised)
 
 
-def make_objective(train: TrainConfig, compile_backend: str | None, how: RunContext) -> Objective:
-    """The objective `train.objective` names, on logits compiled with `compile_backend` (None: eager), run as
-    `how` says (vocab-sharded or not; the cp group, for DPO's sums over whole sequences)."""
+def make_objective(train: TrainConfig, compile_backend: str | None, vocab_sharded: bool,
+                   cp_group: dist.ProcessGroup | None) -> Objective:
+    """The objective `train.objective` names, on logits compiled with `compile_backend` (None: eager),
+    `vocab_sharded` or not; `cp_group`: the ranks sharing each sequence, for DPO's sums over whole sequences."""
     if train.objective == "grpo":
         return GRPO(train.grpo)
     if train.objective == "dpo":
-        return DPO(train.dpo, how.cp_group)
-    return SFT(compile_backend, how.vocab_sharded)
+        return DPO(train.dpo, cp_group)
+    return SFT(compile_backend, vocab_sharded)
 
 
 def metric_means(objective: Objective, reduce) -> dict[str, float]:

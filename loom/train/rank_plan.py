@@ -55,7 +55,7 @@ class RankPlan:
     pipeline: Pipeline | None = None  # the LLM's schedule over this rank's stages, when pp > 1
     hosted: tuple[str, ...] = ()  # the modules this rank holds (all of them unless non-colocated)
     data_group: dist.ProcessGroup | None = None  # a user's data: the gloo world group agreeing on undecodable files
-    # train.reference: the frozen policy whose logprobs each step scores first (rl/reference.py), else None
+    # train.reference: the frozen policy whose logprobs each step scores first (train/reference.py), else None
     reference: ReferenceScores | None = None
 
     @property
@@ -68,7 +68,8 @@ class RankPlan:
 
     def objective(self, cfg: JobConfig) -> Objective:
         """The objective `train.objective` names, on this rank's logits."""
-        return make_objective(cfg.train, compile_backend(cfg.train), self.run_context)
+        how = self.run_context
+        return make_objective(cfg.train, compile_backend(cfg.train), how.vocab_sharded, how.cp_group)
 
     def train_step(self, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: JobConfig, step: int,
                    inspect_grads=None, objective: Objective | None = None) -> StepResult:
@@ -131,7 +132,7 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
         tied = TiedEmbedding(model.language, tied_group) if cfg.model.language.tie_embeddings else None
         pipeline = Pipeline(model.language, cfg.parallel.pp_schedule, cfg.train.microbatches, lang.group("pp"),
                             device, hidden_dtype, lay.tp if lay.sequence_parallel else 1, cfg.parallel.pp_grad_reduce,
-                            tied)
+                            tied.sum_grads if tied is not None else None)
     # expert counts sum over the LLM's dp×cp ranks (tp ranks count the same tokens; each stage its own layers)
     comms = StepComms(norm_share(topo, modules), adds_loss=hosts_llm and lang.coord(me.rank)["tp"] == 0,
                       expert_load=expert_load(cfg.model.language, lang.group("dp", "cp") if hosts_llm else None,

@@ -17,14 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from loom.checkpoint.read import CheckpointWeights
+from loom.config import JobConfig
 from loom.data.batch import IGNORE_INDEX, Batch
 from loom.parallel.fsdp import reshard
 from loom.parallel.materialize import WeightSource, local_part
 from loom.parallel.tied import tied_copy_names
-from loom.rl.grpo import REFERENCE
-from loom.rl.token_stats import chunked_token_stats
 from loom.train.inputs import StepInputs
 from loom.train.step import forward_pass
+from loom.train.token_fields import REFERENCE
+from loom.train.token_stats import chunked_token_stats
 
 # a token's microbatch and its index in it (whole, flattened), exact in fp32 below 2**24
 MICROBATCH, TOKEN = "reference_microbatch", "reference_token"
@@ -85,6 +87,16 @@ class ReferencePolicy:
             whole[index] = values
             batch.fields[REFERENCE] = whole.view_as(batch.labels).to(batch.labels.device)
             del batch.fields[MICROBATCH], batch.fields[TOKEN]
+
+
+def reference_policy(model: nn.Module, cfg: JobConfig) -> ReferencePolicy | None:
+    """`train.reference`: none, the model's weights as built ("initial"), or a checkpoint's, as this rank's
+    parts beside the model's."""
+    ref = cfg.train.reference
+    if ref == "none":
+        return None
+    temperature = cfg.train.grpo.temperature if cfg.train.objective == "grpo" else 1.0  # DPO's answers: as given
+    return ReferencePolicy(model, temperature, None if ref == "initial" else CheckpointWeights(ref))
 
 
 class _Recorder:

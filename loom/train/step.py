@@ -19,7 +19,7 @@ import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from loom.config import TrainConfig
 from loom.models.moe import aux_loss_scale
 from loom.models.multimodal import MultimodalModel
+from loom.train.encoder_ranks import EncoderRanks
 from loom.train.expert_load import ExpertLoad
 from loom.train.garbage import collect_at
 from loom.train.inputs import StepInputs
@@ -40,15 +41,28 @@ from loom.train.optim import (
     reduce_values,
     set_lr,
 )
-
-if TYPE_CHECKING:
-    from loom.train.build import RankPlan
+from loom.train.rows import RowSource
+from loom.train.runners import LLMRunner, RunContext
 
 
 class ReferenceScores(Protocol):
-    """A frozen reference policy (rl/reference.py): before the step, each microbatch's `ref_logprobs` field."""
+    """A frozen reference policy (train/reference.py): before the step, each microbatch's `ref_logprobs` field."""
 
-    def score_into(self, plan: RankPlan, model: MultimodalModel, inputs: StepInputs) -> None: ...
+    def score_into(self, plan: StepPlan, model: MultimodalModel, inputs: StepInputs) -> None: ...
+
+
+class StepPlan(Protocol):
+    """What a step reads of this rank's plan (train/rank_plan.py's RankPlan, which calls the step: no cycle)."""
+
+    comms: StepComms
+    rows: RowSource | None
+    runner: LLMRunner | None
+    run_context: RunContext
+    encoder_ranks: EncoderRanks | None
+    reference: ReferenceScores | None
+
+    @property
+    def distributed(self) -> bool: ...
 
 
 @dataclass
@@ -70,7 +84,7 @@ class StepResult:
     expert_load: dict[str, float] = field(default_factory=dict)  # `expert_load/<layer>`: max / mean tokens per expert
 
 
-def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: TrainConfig, step: int,
+def train_step(plan: StepPlan, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: TrainConfig, step: int,
                objective: Objective, inspect_grads: Callable[[MultimodalModel], None] | None = None) -> StepResult:
     """Forward and backward of every microbatch (gradients accumulate; FSDP reduces them once per step), then
     one clip and one optimizer step. `inspect_grads(model)` sees the raw gradients after the last backward,
@@ -87,13 +101,13 @@ def train_step(plan: RankPlan, model: MultimodalModel, optimizer, inputs: StepIn
 
 
 @torch.no_grad()
-def forward_pass(plan: RankPlan, model: MultimodalModel, inputs: StepInputs, objective: Objective) -> float:
+def forward_pass(plan: StepPlan, model: MultimodalModel, inputs: StepInputs, objective: Objective) -> float:
     """The step's program forward only: this rank's part of the objective's loss (the world's sum is the
     caller's to take); nothing is kept for a backward, no weight changes."""
     return float(run_microbatches(plan, model, inputs, objective, train=False))
 
 
-def run_microbatches(plan: RankPlan, model: MultimodalModel, inputs: StepInputs, objective: Objective,
+def run_microbatches(plan: StepPlan, model: MultimodalModel, inputs: StepInputs, objective: Objective,
                      train: bool) -> float | torch.Tensor:
     """Every microbatch of the step through this rank's part of the model: this rank's part of the loss (a
     device tensor after the loop: read at the step's end, not here)."""

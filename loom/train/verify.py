@@ -24,12 +24,13 @@ from torch.distributed.tensor import DTensor
 from loom.config import JobConfig
 from loom.parallel.compile import compile_backend
 from loom.parallel.tied import tied_copy_names
-from loom.train.build import build_job, reference_policy
+from loom.train.build import build_job
 from loom.train.compare import DEFAULT_TOLERANCES, Agreement, ModuleCheck, StepCheck, Tolerances
 from loom.train.inputs import StepInputs, collate
 from loom.train.objective import Objective, make_objective
 from loom.train.optim import GradNormShare, ModuleOptimizers, reduce_values
 from loom.train.rank_plan import one_process_plan
+from loom.train.reference import reference_policy
 from loom.train.reference_shards import held, held_difference, reporting_ranks, shard_pair
 from loom.train.resync import resync_from_reference
 from loom.train.runners import RunContext
@@ -86,7 +87,11 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
     eager_fp32 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False, dtype="fp32"))
     ref_plan = one_process_plan(modules, plan.sample_multiple, "fp32", job.device, cfg.model.language)
     ref_plan.reference = reference_policy(reference, cfg)  # train.reference: the same frozen weights, whole
-    make = objective or functools.partial(make_objective, cfg.train)  # both sides: the one the config names
+
+    def configured(backend: str | None, how: RunContext) -> Objective:  # both sides: the one the config names
+        return make_objective(cfg.train, backend, how.vocab_sharded, how.cp_group)
+
+    make = objective or configured
     out = console or Console(width=170)
     share = plan.comms.norm_share  # each rank compares the weights it holds; one rank per module stage reports
     twins, reporters = tied_copy_names(model), reporting_ranks(share)
