@@ -120,8 +120,8 @@ class TrainConfig:
     # "reduce-overhead": each block replayed as a CUDA graph (one launch, not one per kernel), on one GPU: the
     # LLM's blocks captured once; an encoder's rows rounded up to a quarter of its budget, each count captured once
     compile_mode: str = choice("default", "default", "reduce-overhead")
-    # recompute each transformer block's activations in backward: "full" (the whole block) or "selective"
-    # (all but matmul / attention outputs); less activation memory for more compute
+    compile_cache_dir: str = ""  # inductor's (and AOTAutograd's) on-disk cache: a later start reuses its kernels
+    # recompute each block's activations in backward: "full" or "selective" (all but matmul / attention outputs)
     activation_checkpointing: str = choice("none", "none", "full", "selective")
     # what a step minimises: "sft" (next-token cross-entropy), "grpo" ([train.grpo]) or "dpo" ([train.dpo])
     objective: str = choice("sft", "sft", "grpo", "dpo")

@@ -14,6 +14,8 @@ token counts are rounded up to 64 and the guards that remain (alignment, size ra
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 
 import torch
 import torch._functorch.config
@@ -35,10 +37,7 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
     """Compiles every transformer block of module `name` in place, with `train.compile_backend` (inductor
     without a config); an encoder also gets its row budget."""
     backend = cfg.train.compile_backend if cfg else "inductor"
-    # A compiled TP + SP block restored from AOTAutograd's on-disk cache (a second run of the same job)
-    # gave wrong gradients on torch 2.13 while a fresh compile was exact (tests/test_compile_cache.py).
-    # Off, every run traces its graphs again; inductor's kernel cache still spares the codegen.
-    torch._functorch.config.enable_autograd_cache = False
+    use_compile_caches(cfg)
     config = torch._dynamo.config
     key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in 2.x
     setattr(config, key, max(getattr(config, key), _CACHE_LIMIT))
@@ -52,6 +51,19 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
     dynamic = encoder_dynamic(name in budgets, mode)
     for block in transformer_blocks(name, module):
         block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic, mode=mode)
+
+
+def use_compile_caches(cfg: JobConfig | None) -> None:
+    """Compiled code kept on disk across starts: inductor's kernels (its FX graph cache, on by default) and
+    AOTAutograd's traced graphs, in `train.compile_cache_dir` when set (else inductor's default directory), so a
+    later start of the job compiles nothing anew and no rank's slow compile stalls the others. AOTAutograd's cache
+    stays off where a module's weights are DTensors inside its blocks (TP, EP): a compiled TP + SP block restored
+    from it gave wrong gradients on torch 2.13 while a fresh compile was exact (tests/test_compile_cache.py)."""
+    if cfg is not None and cfg.train.compile_cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.train.compile_cache_dir).resolve())
+    layouts = [getattr(cfg.layout, n) for n in ("language", *cfg.model.encoders)] if cfg is not None else []
+    split = cfg is None or any(lay is not None and (lay.tp > 1 or lay.ep > 1) for lay in layouts)
+    torch._functorch.config.enable_autograd_cache = not split
 
 
 def row_budgets(cfg: JobConfig, world_size: int) -> dict[str, RowBudget]:
