@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "grouped_mm", None)
 KERNELS = ("auto", "loop", "grouped")
+ROW_BYTES = 16  # a grouped GEMM's operands need row strides in multiples of 16 bytes (inductor lays hᵀ out densely)
 
 
 class Experts(nn.Module):
@@ -75,10 +76,24 @@ class Experts(nn.Module):
 
     @staticmethod
     def _grouped(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        offsets = counts.cumsum(0).to(torch.int32)
+        """Zero rows pad the last group (`pad_rows`): their h and outputs are exact zeros, so they add nothing to
+        any gradient, and their outputs are dropped."""
+        n = x.shape[0]
+        pad = pad_rows(n, x.dtype.itemsize)
+        ends = counts.cumsum(0)
+        offsets = torch.cat([ends[:-1], ends[-1:] + pad]).to(torch.int32)
+        x = F.pad(x, (0, 0, 0, pad))
         gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)
         h = F.silu(grouped_mm(x, gate, offs=offsets)) * grouped_mm(x, up, offs=offsets)
-        return grouped_mm(h, down, offs=offsets)
+        return grouped_mm(h, down, offs=offsets)[:n]
+
+
+def pad_rows(n: int, itemsize: int) -> int:
+    """Rows to add to `n` for a grouped GEMM under inductor: at least one, to a multiple of ROW_BYTES. With none
+    (an EP rank that receives no token) the weight gradient on hᵀ [intermediate, 0] has no valid strides
+    (pytorch#192497); with another count inductor's dense hᵀ [intermediate, n] has rows of n·itemsize bytes."""
+    multiple = ROW_BYTES // itemsize
+    return multiple - n % multiple
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -1,0 +1,121 @@
+"""Compiled experts where tokens are missing: an EP rank that receives no token at all, experts that receive none
+anywhere — the GPU's configuration (bf16, grouped GEMM, torch.compile) on CPU.
+
+The GPU crash (issue 49): a rank with no token gives h [0, intermediate]; the down projection's weight gradient is
+a grouped GEMM on hᵀ [intermediate, 0], which eager autograd skips and inductor emits with strides no kernel
+accepts (pytorch#192497). Inductor on CPU emits the same call and fails the same way, so the first test reproduces
+it (a control with the padding off) and shows the padded kernel (models/experts.py `pad_rows`) compiles and
+equals eager. The second runs `loom verify` on 2 ranks with ep2 in that configuration (aot_eager: inductor's codegen
+would cost CI minutes) and checks what the compiled graphs hand the kernel: no grouped GEMM with an empty operand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import assert_all_passed
+from test_moe_parity import MOE
+
+import loom.models.experts as experts_module
+from loom.models.experts import Experts, grouped_mm
+
+pytestmark = pytest.mark.skipif(grouped_mm is None, reason="this torch has no grouped_mm")
+
+
+def _run(e: Experts, forward, x: torch.Tensor, counts: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    e.zero_grad()
+    x = x.clone().requires_grad_()
+    y = forward(x, counts)
+    y.backward(g)
+    return [y.detach(), x.grad, *(p.grad.clone() for p in e.parameters())]
+
+
+@pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded-control"])
+def test_inductor_grouped_experts_without_tokens_equal_eager(monkeypatch, pad):
+    """bf16 grouped experts under inductor: no row at all (an EP rank that received nothing), then rows for
+    experts 0 and 3 only (1 and 2 idle). Padded: output, input and weight gradients equal eager's; unpadded: the
+    compiled backward fails with the GPU's error, so this test does reach the crash."""
+    if not pad:
+        monkeypatch.setattr(experts_module, "pad_rows", lambda n, itemsize: 0)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    e = Experts(4, 16, 8, kernel="grouped").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in e.parameters():
+            p.normal_(0, 0.3)
+    compiled = torch.compile(e.forward, backend="inductor")
+    for counts in ([0, 0, 0, 0], [3, 0, 0, 2], [9, 0, 0, 0]):
+        n = sum(counts)
+        x, g = torch.randn(n, 16, dtype=torch.bfloat16), torch.randn(n, 16, dtype=torch.bfloat16)
+        counts = torch.tensor(counts)
+        if not pad and n == 0:
+            with pytest.raises(RuntimeError, match=r"Invalid strides/sizes.*\[8, 0\] for sizes"):
+                _run(e, compiled, x, counts, g)
+            return
+        want, got = _run(e, e.forward, x, counts, g), _run(e, compiled, x, counts, g)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)  # inductor fuses silu·up at another precision
+        assert n == 0 or got[3][1:3].abs().max() == 0 < got[3][0].abs().max()  # idle experts: zero gradient
+
+
+def _grouped_operands() -> tuple[list, object]:
+    """A backend like aot_eager whose forward and backward graphs run under a mode that records the operand
+    shapes of every grouped GEMM they call."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[list[tuple[int, ...]]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "grouped_mm" in func.name():
+                seen.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+            return func(*args, **(kwargs or {}))
+
+    def recorded(gm, example_inputs):
+        def run(*args):
+            with Record():
+                return gm(*args)
+        return make_boxed_func(run)
+
+    return seen, aot_autograd(fw_compiler=recorded, bw_compiler=recorded)
+
+
+def _verify_skewed_compiled(overrides: list[str], steps: int) -> dict:
+    """tests/test_moe_parity.py's skew (every token to experts 0 and 1, on EP rank 0), the blocks compiled with
+    the recording backend in place of aot_eager. This rank's verify results and the grouped GEMMs' operands."""
+    import test_moe_parity
+
+    seen, backend = _grouped_operands()
+    compile_ = torch.compile
+
+    def recording(fn, **kwargs):
+        assert kwargs.get("backend") == "aot_eager", kwargs
+        return compile_(fn, **{**kwargs, "backend": backend})
+
+    torch._dynamo.reset()
+    torch.compile = recording
+    try:
+        checks = test_moe_parity._verify_skewed(overrides, steps)
+    finally:
+        torch.compile = compile_
+    return {"checks": checks, "operands": seen}
+
+
+def test_compiled_grouped_ep_with_an_idle_rank_matches_the_reference(worlds):
+    """ep2 on 2 ranks, bf16 (FSDP2 mixed precision), grouped GEMM, compiled: rank 1 receives no token and experts
+    2-7 none anywhere, every step; verify passes against the one-process reference, and no grouped GEMM of the
+    compiled graphs (forward and backward) has an empty operand although rank 1's have only the padding."""
+    overrides = MOE + ["--layout.language.ep=2", "--model.language.router_bias=true",
+                       "--model.language.router_bias_update_rate=0", "--train.dtype=bf16",
+                       "--model.language.expert_kernel=grouped", "--train.compile=true",
+                       "--train.compile_backend=aot_eager"]
+    per_rank = worlds.run(2, _verify_skewed_compiled, overrides, 1, timeout=600)
+    assert_all_passed("ep2-compiled-grouped-idle-rank", [r["checks"] for r in per_rank], 1)
+    for rank, result in enumerate(per_rank):
+        operands = result["operands"]
+        assert operands, f"rank {rank}: no grouped GEMM ran in a compiled graph"
+        assert all(0 not in shape for call in operands for shape in call), f"rank {rank}: {operands}"
+    rows = {call[0][0] for call in per_rank[1]["operands"] if len(call[0]) == 2 and len(call[1]) == 3}
+    assert rows == {experts_module.pad_rows(0, 2)}, rows  # rank 1's forward GEMMs: the padding alone
