@@ -59,25 +59,21 @@ def test_inductor_grouped_experts_without_tokens_equal_eager(monkeypatch, pad):
 
 
 def _grouped_operands() -> tuple[list, object]:
-    """A backend like aot_eager whose forward and backward graphs run under a mode that records the operand
-    shapes of every grouped GEMM they call."""
+    """A backend like aot_eager whose forward and backward graphs run node by node, recording the operand shapes
+    of every grouped GEMM they call."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     seen: list[list[tuple[int, ...]]] = []
 
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "grouped_mm" in func.name():
+    class Record(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if "grouped_mm" in str(target):
                 seen.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
-            return func(*args, **(kwargs or {}))
+            return super().call_function(target, args, kwargs)
 
     def recorded(gm, example_inputs):
-        def run(*args):
-            with Record():
-                return gm(*args)
-        return make_boxed_func(run)
+        return make_boxed_func(lambda *args: Record(gm).run(*args))
 
     return seen, aot_autograd(fw_compiler=recorded, bw_compiler=recorded)
 

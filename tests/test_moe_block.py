@@ -224,3 +224,38 @@ def test_sequence_balance_loss_gradient_is_the_per_sample_definition():
     want.backward()
     assert (b.gate.weight.grad - plain.gate.weight.grad).abs().max() < 1e-6
     assert (b.gate.weight.grad - torch.autograd.grad((plain(x) * g).sum(), plain.gate.weight)[0]).abs().max() > 1e-4
+
+
+@pytest.mark.skipif(grouped_mm is None, reason="this torch has no grouped_mm")
+def test_compiled_block_is_one_graph_and_counts_once_under_recomputation():
+    """The GPU's block (bf16 experts, grouped GEMM) compiles to one graph (`fullgraph`: a break raises): the
+    counts have a static shape and the load count runs inside the graph. Compiled inside activation
+    checkpointing, as loom applies them, its recomputation does not count again; output, gradients and counts
+    equal eager's."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    graphs = []
+    aot_eager = lookup_backend("aot_eager")
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    blocks = [_block(RouterSpec(E, 2), kernel="grouped", z=0.01) for _ in range(2)]
+    for b in blocks:
+        b.experts.to(torch.bfloat16)
+    compiled = torch.compile(blocks[1].forward, backend=counting, fullgraph=True)
+    x, g = torch.randn(16, D, dtype=torch.bfloat16), torch.randn(16, D, dtype=torch.bfloat16)
+    counted = torch.tensor([True] * 13 + [False] * 3)
+    results = []
+    with aux_loss_scale(0.5), set_checkpoint_early_stop(False):
+        for forward in (blocks[0].forward, compiled):
+            xi = x.clone().requires_grad_()
+            checkpoint(forward, xi, TokenSpans(counted=counted), use_reentrant=False).backward(g)
+            results.append([xi.grad, *(p.grad for p in blocks[len(results)].parameters())])
+    assert len(graphs) == 1 and blocks[0].experts.use_grouped(x)
+    assert torch.equal(blocks[0].tokens_per_expert, blocks[1].tokens_per_expert)
+    assert blocks[0].tokens_per_expert.sum() == 26
+    for a, c in zip(*results):
+        assert (a.float() - c.float()).abs().max() < 1e-6

@@ -83,6 +83,7 @@ class Experts(nn.Module):
         ends = counts.cumsum(0)
         offsets = torch.cat([ends[:-1], ends[-1:] + pad]).to(torch.int32)
         x = F.pad(x, (0, 0, 0, pad))
+        # FSDP2's mixed precision hands bf16 weights (`to` returns them, no copy); autocast's fp32 ones cast here
         gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)
         h = F.silu(grouped_mm(x, gate, offs=offsets)) * grouped_mm(x, up, offs=offsets)
         return grouped_mm(h, down, offs=offsets)[:n]

@@ -68,7 +68,8 @@ class MoEBlock(nn.Module):
         k = route.experts.shape[-1]
         flat = route.experts.flatten()  # [tokens · k]: token t's choices at t·k … t·k + k − 1
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        # a static shape [E] (bincount's depends on the data: a graph break under compile); integer adds are exact
+        counts = flat.new_zeros(self.experts.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         y = self.experts(x[order // k], counts)
         y = y * route.weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -77,18 +78,10 @@ class MoEBlock(nn.Module):
             out = out + self.shared_experts(x)
         mask = None if spans is None or spans.counted is None else spans.counted.reshape(-1)
         if torch.is_grad_enabled():
-            self._count(flat, mask, k)
+            weight = torch.ones_like(flat, dtype=torch.float32) if mask is None else mask.repeat_interleave(k).float()
+            _count_routed(self.tokens_per_expert, flat, weight)
             out = self._with_aux_gradient(out, route, mask, spans)
         return out.view(shape)
-
-    @torch.compiler.disable
-    def _count(self, flat: torch.Tensor, mask: torch.Tensor | None, k: int) -> None:
-        if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recomputation, inside backward
-            return
-        ones = torch.ones_like(flat, dtype=torch.float32)
-        if mask is not None:
-            ones = ones * mask.repeat_interleave(k).float()
-        self.tokens_per_expert.index_add_(0, flat, ones)
 
     def _with_aux_gradient(self, out: torch.Tensor, route: Routing, mask: torch.Tensor | None,
                            spans: TokenSpans | None) -> torch.Tensor:
@@ -102,6 +95,18 @@ class MoEBlock(nn.Module):
         if self.seq_aux_loss_coef:
             aux = aux + self.seq_aux_loss_coef * scales[1] * _sequence_balance(route, mask, spans)
         return _AddGradient.apply(out, aux, 1.0)
+
+
+# under CUDA graphs a replay would skip the recomputation check: inductor leaves the op outside the graph
+_CUDAGRAPH_UNSAFE = tuple(t for t in [getattr(torch.Tag, "cudagraph_unsafe", None)] if t is not None)
+
+
+@torch.library.custom_op("loom::count_routed", mutates_args=("total",), tags=_CUDAGRAPH_UNSAFE)
+def _count_routed(total: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor) -> None:
+    """total[e] += the weights of the choices of e, except in activation checkpointing's recomputation (it runs
+    inside backward): an op, so that compile keeps this run-time check in its graph instead of breaking it."""
+    if torch._C._current_graph_task_id() == -1:
+        total.index_add_(0, experts, weight)
 
 
 @torch.compiler.disable  # sample bounds from the host, and under cp a collective: eager

@@ -96,12 +96,13 @@ def _dispatch_compute_combine(experts: Experts, group: dist.ProcessGroup, ep: in
     local = counts.numel() // ep
     received = torch.empty_like(counts)  # [source rank, local expert]: what each EP rank sends to mine
     dist.all_to_all_single(received, counts, group=group)
-    send = counts.view(ep, local).sum(1).tolist()  # the host needs the split sizes: one sync per layer
-    recv = received.view(ep, local).sum(1).tolist()
+    # the host needs the split sizes: both directions in one read (the grouped kernel reads nothing more)
+    send, recv = torch.stack([counts, received]).view(2, ep, local).sum(2).tolist()
     arrived = funcol.all_to_all_single_autograd(x, recv, send, group)
     # arrival order is (source, local expert); the experts want (local expert, source): a stable sort by that key
     key = torch.arange(local, device=counts.device) * ep + torch.arange(ep, device=counts.device)[:, None]
-    order = torch.repeat_interleave(key.flatten(), received.flatten()).argsort(stable=True)
+    # output_size from the host's counts: without it repeat_interleave reads its total back (a second sync)
+    order = torch.repeat_interleave(key.flatten(), received.flatten(), output_size=sum(recv)).argsort(stable=True)
     y = experts.compute(arrived[order], received.view(ep, local).sum(0),
                         *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)))
     back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
