@@ -4,9 +4,10 @@ anywhere — the GPU's configuration (bf16, grouped GEMM, torch.compile) on CPU.
 The GPU crash (issue 49): a rank with no token gives h [0, intermediate]; the down projection's weight gradient is
 a grouped GEMM on hᵀ [intermediate, 0], which eager autograd skips and inductor emits with strides no kernel
 accepts (pytorch#192497). Inductor on CPU emits the same call and fails the same way, so the first test reproduces
-it (a control with the padding off) and shows the padded kernel (models/experts.py `pad_rows`) compiles and
-equals eager. The second runs `loom verify` on 2 ranks with ep2 in that configuration (aot_eager: inductor's codegen
-would cost CI minutes) and checks what the compiled graphs hand the kernel: no grouped GEMM with an empty operand.
+it (a control with the padding off) and shows the padded kernel (models/experts.py `padded_groups`) compiles
+and equals eager. The second runs `loom verify` on 2 ranks with ep2 in that configuration (aot_eager: inductor's codegen
+would cost CI minutes) and checks what the compiled graphs hand the kernel: no grouped GEMM with an empty operand,
+every group a multiple of 16 bytes (the GPU kernel's rule for a row-major operand's groups)
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_inductor_grouped_experts_without_tokens_equal_eager(monkeypatch, pad):
     experts 0 and 3 only (1 and 2 idle). Padded: output, input and weight gradients equal eager's; unpadded: the
     compiled backward fails with the GPU's error, so this test does reach the crash."""
     if not pad:
-        monkeypatch.setattr(experts_module, "pad_rows", lambda n, itemsize: 0)
+        monkeypatch.setattr(experts_module, "padded_groups",
+                            lambda n, counts, multiple: (n, torch.arange(n), counts.cumsum(0).to(torch.int32)))
     torch._dynamo.reset()
     torch.manual_seed(0)
     e = Experts(4, 16, 8, kernel="grouped").to(torch.bfloat16)
@@ -58,18 +60,30 @@ def test_inductor_grouped_experts_without_tokens_equal_eager(monkeypatch, pad):
         assert n == 0 or got[3][1:3].abs().max() == 0 < got[3][0].abs().max()  # idle experts: zero gradient
 
 
+def test_groups_padded_by_hand():
+    """5 rows in groups of 3, 0, 0, 2 (bf16: multiples of 8 rows): group 0 takes rows 0-7, the empty groups none,
+    the last the rest of (5 // 8 + 1 + 4) · 8 = 40; 9 rows in one group: 16 rows, then the rest of 48. No rows: the
+    last group 40 rows of padding."""
+    rows, dest, ends = experts_module.padded_groups(5, torch.tensor([3, 0, 0, 2]), 8)
+    assert (rows, dest.tolist(), ends.tolist()) == (40, [0, 1, 2, 8, 9], [8, 8, 8, 40])
+    rows, dest, ends = experts_module.padded_groups(9, torch.tensor([9, 0, 0, 0]), 8)
+    assert (rows, dest.tolist(), ends.tolist()) == (48, list(range(9)), [16, 16, 16, 48])
+    rows, dest, ends = experts_module.padded_groups(0, torch.tensor([0, 0, 0, 0]), 8)
+    assert (rows, dest.tolist(), ends.tolist()) == (40, [], [0, 0, 0, 40])
+
+
 def _grouped_operands() -> tuple[list, object]:
     """A backend like aot_eager whose forward and backward graphs run node by node, recording the operand shapes
-    of every grouped GEMM they call."""
+    and group offsets of every grouped GEMM they call."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    seen: list[list[tuple[int, ...]]] = []
+    seen: list[tuple[list[tuple[int, ...]], list[int]]] = []
 
     class Record(torch.fx.Interpreter):
         def call_function(self, target, args, kwargs):
             if "grouped_mm" in str(target):
-                seen.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+                seen.append(([tuple(a.shape) for a in args[:2]], args[2].tolist()))
             return super().call_function(target, args, kwargs)
 
     def recorded(gm, example_inputs):
@@ -102,7 +116,8 @@ def _verify_skewed_compiled(overrides: list[str], steps: int) -> dict:
 def test_compiled_grouped_ep_with_an_idle_rank_matches_the_reference(worlds):
     """ep2 on 2 ranks, bf16 (FSDP2 mixed precision), grouped GEMM, compiled: rank 1 receives no token and experts
     2-7 none anywhere, every step; verify passes against the one-process reference, and no grouped GEMM of the
-    compiled graphs (forward and backward) has an empty operand although rank 1's have only the padding."""
+    compiled graphs (forward and backward) has an empty operand or a group of other than a multiple of 8 bf16
+    rows, although rank 1's groups are all padding."""
     overrides = MOE + ["--layout.language.ep=2", "--model.language.router_bias=true",
                        "--model.language.router_bias_update_rate=0", "--train.dtype=bf16",
                        "--model.language.expert_kernel=grouped", "--train.compile=true",
@@ -112,6 +127,9 @@ def test_compiled_grouped_ep_with_an_idle_rank_matches_the_reference(worlds):
     for rank, result in enumerate(per_rank):
         operands = result["operands"]
         assert operands, f"rank {rank}: no grouped GEMM ran in a compiled graph"
-        assert all(0 not in shape for call in operands for shape in call), f"rank {rank}: {operands}"
-    rows = {call[0][0] for call in per_rank[1]["operands"] if len(call[0]) == 2 and len(call[1]) == 3}
-    assert rows == {experts_module.pad_rows(0, 2)}, rows  # rank 1's forward GEMMs: the padding alone
+        assert all(0 not in shape for shapes, _ in operands for shape in shapes), f"rank {rank}: {operands}"
+        sizes = {b - a for _, ends in operands for a, b in zip([0, *ends], ends)}
+        assert all(size % 8 == 0 for size in sizes), f"rank {rank}: {sizes}"
+        assert all(ends[-1] > 0 for _, ends in operands), f"rank {rank}: {operands}"
+    # rank 1's forward GEMMs: every group empty but for the padding, the last one's
+    assert {tuple(ends) for shapes, ends in per_rank[1]["operands"] if len(shapes[1]) == 3} == {(0, 0, 0, 40)}

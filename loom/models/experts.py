@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "grouped_mm", None)
 KERNELS = ("auto", "loop", "grouped")
-ROW_BYTES = 16  # a grouped GEMM's operands need row strides in multiples of 16 bytes (inductor lays hᵀ out densely)
+ROW_BYTES = 16  # a grouped GEMM's row-major operands need strides and group starts in multiples of 16 bytes
 
 
 class Experts(nn.Module):
@@ -76,25 +76,30 @@ class Experts(nn.Module):
 
     @staticmethod
     def _grouped(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Zero rows pad the last group (`pad_rows`): their h and outputs are exact zeros, so they add nothing to
-        any gradient, and their outputs are dropped."""
-        n = x.shape[0]
-        pad = pad_rows(n, x.dtype.itemsize)
-        ends = counts.cumsum(0)
-        offsets = torch.cat([ends[:-1], ends[-1:] + pad]).to(torch.int32)
-        x = F.pad(x, (0, 0, 0, pad))
+        """Each group padded with zero rows (`padded_groups`): their h and outputs are exact zeros, so they add
+        nothing to any gradient, and their outputs are dropped."""
+        rows, dest, offsets = padded_groups(x.shape[0], counts, ROW_BYTES // x.dtype.itemsize)
+        x = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
         # FSDP2's mixed precision hands bf16 weights (`to` returns them, no copy); autocast's fp32 ones cast here
         gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)
         h = F.silu(grouped_mm(x, gate, offs=offsets)) * grouped_mm(x, up, offs=offsets)
-        return grouped_mm(h, down, offs=offsets)[:n]
+        return grouped_mm(h, down, offs=offsets).index_select(0, dest)
 
 
-def pad_rows(n: int, itemsize: int) -> int:
-    """Rows to add to `n` for a grouped GEMM under inductor: at least one, to a multiple of ROW_BYTES. With none
-    (an EP rank that receives no token) the weight gradient on hᵀ [intermediate, 0] has no valid strides
-    (pytorch#192497); with another count inductor's dense hᵀ [intermediate, n] has rows of n·itemsize bytes."""
-    multiple = ROW_BYTES // itemsize
-    return multiple - n % multiple
+def padded_groups(n: int, counts: torch.Tensor, multiple: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """`n` rows sorted into groups of `counts`, each group padded with zero rows to a multiple of `multiple`
+    (16 bytes) and the last one given the rest of a static total, at least one multiple: the total, each row's
+    place and the groups' end offsets (int32). Under inductor the down projection's weight gradient takes hᵀ
+    laid out densely: [intermediate, 0] on an EP rank without tokens has no valid strides (pytorch#192497), and
+    the GPU kernel reads each group of a row-major operand from a 16-byte-aligned column."""
+    groups = counts.numel()
+    rows = (n // multiple + 1 + groups) * multiple  # ≥ n + every group's rounding + one multiple
+    sizes = (counts + multiple - 1) // multiple * multiple
+    ends = sizes.cumsum(0)
+    shift = (ends - sizes) - (counts.cumsum(0) - counts)  # each group's padded start minus its start
+    group = torch.repeat_interleave(torch.arange(groups, device=counts.device), counts, output_size=n)
+    dest = torch.arange(n, device=counts.device) + shift[group]
+    return rows, dest, torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
