@@ -1,0 +1,98 @@
+"""LLaVA folders (`model_type = "llava"`): a CLIP or SigLIP tower, the MLP projector and a Llama / Qwen2 LLM in one
+folder load into loom with transformers' logits, for several samples packed into one stream, each with its own
+number of images (LLaVA's images are all of the tower's size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from conftest import saved_far_from_init  # noqa: E402
+from transformers import (  # noqa: E402
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2Config,
+    SiglipVisionConfig,
+)
+
+from loom.data.spans import TokenSpans  # noqa: E402
+from loom.models.hf import build_pretrained  # noqa: E402
+
+TOL = 1e-5
+IMAGE = 16  # pixels: 4 × 4 patches of 4
+TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=IMAGE,
+             patch_size=4)
+FOLDERS = {
+    # LLaVA 1.5's shape: CLIP read at its second-to-last layer, [CLS] dropped ("default"), Llama, exact gelu
+    "clip-llama": LlavaConfig(vision_config=CLIPVisionConfig(**TOWER, projection_dim=16),
+                              text_config=LlamaConfig(**TEXT, tie_word_embeddings=False), image_token_index=299),
+    # SigLIP (with its pooling head, unread) at layer 2 counted from the embeddings, every row kept, tied Qwen2
+    "siglip-qwen2": LlavaConfig(vision_config=SiglipVisionConfig(**TOWER),
+                                text_config=Qwen2Config(**TEXT, tie_word_embeddings=True), image_token_index=7,
+                                vision_feature_layer=2, vision_feature_select_strategy="full",
+                                projector_hidden_act="gelu_pytorch_tanh"),
+}
+IMAGES_PER_SAMPLE = [2, 0, 1, 3]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """name → (transformers' LlavaForConditionalGeneration far from its init, its save_pretrained folder)."""
+    root, made = tmp_path_factory.mktemp("llava"), {}
+
+    def get(name: str):
+        if name not in made:
+            torch.manual_seed(0)
+            model, folder = saved_far_from_init(LlavaForConditionalGeneration(FOLDERS[name]), root / name)
+            made[name] = (model.eval(), folder)
+        return made[name]
+
+    return get
+
+
+def packed_samples(model, per_sample: list[int], seed: int = 0):
+    """Samples of text around each one's images' placeholders: [(ids, images [n, 3, H, W])]."""
+    g = torch.Generator().manual_seed(seed)
+    image_id, rows = model.placeholder_ids["vision"], model.encoder("vision").num_tokens
+    out = []
+    for k, n in enumerate(per_sample):
+        images = torch.randn(n, 3, IMAGE, IMAGE, generator=g)
+        ids = torch.randint(10, 290, (3 + k,), generator=g).tolist()
+        for image in images:
+            ids += [image_id] * rows(image) + torch.randint(10, 290, (2,), generator=g).tolist()
+        out.append((torch.tensor(ids), images))
+    return out
+
+
+def loom_packed_logits(model, samples) -> torch.Tensor:
+    lengths = [len(ids) for ids, _ in samples]
+    with torch.no_grad():
+        return model(torch.cat([ids for ids, _ in samples]), torch.cat([torch.arange(n) for n in lengths]),
+                     TokenSpans.from_lengths(lengths), {"vision": [im for _, images in samples for im in images]})
+
+
+def hf_logits(ref, samples) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([ref(input_ids=ids[None], pixel_values=images if len(images) else None).logits[0]
+                          for ids, images in samples])
+
+
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_a_llava_folder_gives_transformers_logits_for_packed_samples(llava, name):
+    ref, folder = llava(name)
+    model = build_pretrained(folder).eval()
+    vision = model.vision.encoder.cfg
+    assert (vision.num_layers, vision.class_token, vision.drop_first_row) == (
+        (2, True, True) if name == "clip-llama" else (2, False, False))
+    assert model.placeholder_ids["vision"] == FOLDERS[name].image_token_index
+    samples = packed_samples(model, IMAGES_PER_SAMPLE)
+    assert sum(int((ids == model.placeholder_ids["vision"]).sum()) for ids, _ in samples) == 6 * 16
+    want = hf_logits(ref, samples)
+    got = loom_packed_logits(model, samples)
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() <= TOL
