@@ -96,3 +96,39 @@ def test_a_llava_folder_gives_transformers_logits_for_packed_samples(llava, name
     got = loom_packed_logits(model, samples)
     assert want.abs().max() > 1.0
     assert (got - want).abs().max() <= TOL
+
+
+def test_a_llava_job_trains_and_exports_a_llava_folder_transformers_reads_with_equal_logits(llava, tmp_path, capsys):
+    """SigLIP + Qwen2 (SigLIP's positions interpolate, so the built-in tasks' image sizes train): one step, a
+    checkpoint, `loom export` → one llava folder: the trained tensors, the unread tower tensors as they were."""
+    import loom.cli
+    from loom.job import load_config
+    from loom.train.trainer import Trainer
+    from safetensors.torch import load_file
+
+    ref, folder = llava("siglip-qwen2")
+    cfg = load_config(None, [
+        f"--model.hf={folder}", "--data.tasks=[\"digits\", \"shapes\"]", "--data.train_size=16",
+        "--data.heldout_size=2", "--train.global_batch_size=4", "--train.steps=1", "--train.device=cpu",
+        "--run.tensorboard=false", "--run.progress=false", f"--run.out_dir={tmp_path}/run", "--data.workers=0"])
+    assert cfg.model.encoders == ["vision"] and cfg.model.language.hf == cfg.model.vision.hf == str(folder)
+    trainer = Trainer(cfg)
+    model = trainer.model
+    assert torch.equal(model.vision.projector.linear_2.bias, ref.model.multi_modal_projector.linear_2.bias)
+    trainer.train_step(trainer.batches.shard(0))
+    assert not torch.equal(model.vision.projector.linear_2.bias, ref.model.multi_modal_projector.linear_2.bias)
+    trainer.checkpoint()
+    assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+
+    back, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    original, exported = load_file(folder / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    unread = [k for k in original if ".head." in k or "post_layernorm" in k or "encoder.layers.2." in k]
+    assert unread and all(torch.equal(exported[k], original[k]) for k in unread)
+    samples = packed_samples(model, IMAGES_PER_SAMPLE, seed=3)
+    image_id = FOLDERS["siglip-qwen2"].image_token_index
+    as_hf = [(torch.where(ids == model.placeholder_ids["vision"], image_id, ids), images) for ids, images in samples]
+    want = hf_logits(back.eval(), as_hf)
+    assert (loom_packed_logits(model.eval(), samples) - want).abs().max() <= TOL
