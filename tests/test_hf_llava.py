@@ -8,51 +8,14 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from conftest import saved_far_from_init  # noqa: E402
-from transformers import (  # noqa: E402
-    CLIPVisionConfig,
-    LlamaConfig,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-    Qwen2Config,
-    SiglipVisionConfig,
-)
+from llava_folders import FOLDERS, IMAGE  # noqa: E402
+from transformers import LlavaForConditionalGeneration  # noqa: E402
 
 from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import build_pretrained  # noqa: E402
 
 TOL = 1e-5
-IMAGE = 16  # pixels: 4 × 4 patches of 4
-TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
-TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=IMAGE,
-             patch_size=4)
-FOLDERS = {
-    # LLaVA 1.5's shape: CLIP read at its second-to-last layer, [CLS] dropped ("default"), Llama, exact gelu
-    "clip-llama": LlavaConfig(vision_config=CLIPVisionConfig(**TOWER, projection_dim=16),
-                              text_config=LlamaConfig(**TEXT, tie_word_embeddings=False), image_token_index=299),
-    # SigLIP (with its pooling head, unread) at layer 2 counted from the embeddings, every row kept, tied Qwen2
-    "siglip-qwen2": LlavaConfig(vision_config=SiglipVisionConfig(**TOWER),
-                                text_config=Qwen2Config(**TEXT, tie_word_embeddings=True), image_token_index=7,
-                                vision_feature_layer=2, vision_feature_select_strategy="full",
-                                projector_hidden_act="gelu_pytorch_tanh"),
-}
 IMAGES_PER_SAMPLE = [2, 0, 1, 3]
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    """name → (transformers' LlavaForConditionalGeneration far from its init, its save_pretrained folder)."""
-    root, made = tmp_path_factory.mktemp("llava"), {}
-
-    def get(name: str):
-        if name not in made:
-            torch.manual_seed(0)
-            model, folder = saved_far_from_init(LlavaForConditionalGeneration(FOLDERS[name]), root / name)
-            made[name] = (model.eval(), folder)
-        return made[name]
-
-    return get
 
 
 def packed_samples(model, per_sample: list[int], seed: int = 0):
@@ -132,3 +95,24 @@ def test_a_llava_job_trains_and_exports_a_llava_folder_transformers_reads_with_e
     as_hf = [(torch.where(ids == model.placeholder_ids["vision"], image_id, ids), images) for ids, images in samples]
     want = hf_logits(back.eval(), as_hf)
     assert (loom_packed_logits(model.eval(), samples) - want).abs().max() <= TOL
+
+
+def _verify_llava(overrides: list[str]) -> list[dict]:
+    from oracle import run_verify
+
+    return run_verify(overrides)
+
+
+def test_loom_verify_passes_for_a_llava_folder_with_the_tower_fanning_in(llava, worlds):
+    """Vision dp4 (tp1) → the LLM at tp2 × dp2 on 4 gloo ranks, against the one-process reference."""
+    _, folder = llava("siglip-qwen2")
+    overrides = [f"--model.hf={folder}", "--data.tasks=[\"digits\", \"shapes\"]", "--layout.vision.tp=1",
+                 "--layout.language.tp=2"]
+    per_rank = worlds.run(4, _verify_llava, overrides, timeout=300)
+    for rank, checks in enumerate(per_rank):
+        assert len(checks) == 3
+        for step, check in enumerate(checks):
+            assert check["modules"] == ["language", "vision"]
+            assert check["ref_norm"] > check["clip"], f"rank {rank} step {step + 1}: clipping not active"
+            assert check["passed"], f"rank {rank} step {step + 1}: {check['failures']}"
+        assert checks == per_rank[0]

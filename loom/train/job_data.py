@@ -145,9 +145,9 @@ def media_rules(cfg: JobConfig) -> MediaRules:
     p = v.patch_size
     low, high = d.image_min_pixels or p * p, d.image_max_pixels or (v.position_grid * p) ** 2
     try:
-        image = ImageRule.of(p, low, high, v.hf or None)
+        image = ImageRule.of(p, low, high, v.hf or None, processor_sizes=bool(cfg.model.hf))
     except PreprocessorConfigError as e:
-        raise ConfigError(f"model.vision.hf = {v.hf!r}: {e}") from None
+        raise ConfigError(f"model.{'' if cfg.model.hf else 'vision.'}hf = {v.hf!r}: {e}") from None
     except ValueError as e:
         raise ConfigError(f"data.image_min_pixels / data.image_max_pixels: {e}") from None
     return MediaRules(image, cfg.model.audio.num_features)
