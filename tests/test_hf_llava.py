@@ -4,10 +4,16 @@ number of images (LLaVA's images are all of the tower's size)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 transformers = pytest.importorskip("transformers")
+from conftest import tiny_chat_tokenizer  # noqa: E402
 from llava_folders import FOLDERS, IMAGE  # noqa: E402
 from transformers import LlavaForConditionalGeneration  # noqa: E402
 
@@ -103,11 +109,33 @@ def _verify_llava(overrides: list[str]) -> list[dict]:
     return run_verify(overrides)
 
 
-def test_loom_verify_passes_for_a_llava_folder_with_the_tower_fanning_in(llava, worlds):
-    """Vision dp4 (tp1) → the LLM at tp2 × dp2 on 4 gloo ranks, against the one-process reference."""
-    _, folder = llava("siglip-qwen2")
-    overrides = [f"--model.hf={folder}", "--data.tasks=[\"digits\", \"shapes\"]", "--layout.vision.tp=1",
-                 "--layout.language.tp=2"]
+def _image_conversations(root, n: int = 16) -> Path:
+    """A user's JSONL of `n` conversations with 0, 1 or 2 PNG images of assorted sizes each."""
+    rng = np.random.default_rng(0)
+    (root / "media").mkdir(parents=True)
+    lines = []
+    for i in range(n):
+        content = []
+        for k in range(i % 3):
+            h, w = (int(x) for x in rng.integers(8, 40, size=2))
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "media" / f"{i}-{k}.png")
+            content.append({"type": "image", "path": f"media/{i}-{k}.png"})
+        content.append({"type": "text", "text": "What is this?"})
+        lines.append(json.dumps({"messages": [{"role": "user", "content": content},
+                                              {"role": "assistant", "content": f"A cat {i}."}]}))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "data.jsonl"
+
+
+def test_loom_verify_passes_for_a_llava_folder_with_the_tower_fanning_in(llava, worlds, tmp_path):
+    """LLaVA 1.5's shape (CLIP, [CLS] dropped) on a user's images, sized by its processor: vision dp4 (tp1) → the
+    LLM at tp2 × dp2 on 4 gloo ranks, against the one-process reference."""
+    _, folder = llava("clip-llama")
+    (tmp_path / "tok").mkdir()
+    data = _image_conversations(tmp_path / "data")
+    overrides = [f"--model.hf={folder}", f"--model.tokenizer={tiny_chat_tokenizer(tmp_path / 'tok')}",
+                 f'--data.sources=[{{path = "{data}", weight = 1.0}}]', "--data.heldout_size=2",
+                 "--train.global_batch_size=8", "--layout.vision.tp=1", "--layout.language.tp=2"]
     per_rank = worlds.run(4, _verify_llava, overrides, timeout=300)
     for rank, checks in enumerate(per_rank):
         assert len(checks) == 3

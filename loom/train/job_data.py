@@ -33,6 +33,7 @@ from loom.data.source import (
 )
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
+from loom.models.hf import llava
 from loom.train.inputs import fitting
 
 VOCAB_MULTIPLE = 64  # a grown vocabulary is rounded up to this, so tensor parallelism still divides it
@@ -42,8 +43,10 @@ def job_tokenizer(cfg: JobConfig) -> Vocabulary:
     """The byte tokenizer for the built-in tasks, else `model.tokenizer`'s (its placeholders added if missing)."""
     if not cfg.data.sources:
         return ByteTokenizer()
+    # a LLaVA folder's image placeholder is its tokenizer's "<image>" (`image_token_index`)
+    placeholders = {"vision": llava.PLACEHOLDER} if cfg.model.hf else None
     try:
-        return ChatTokenizer(cfg.model.tokenizer)
+        return ChatTokenizer(cfg.model.tokenizer, placeholders)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer = {cfg.model.tokenizer!r}: {e}") from None
 

@@ -38,6 +38,7 @@ PREFIXES = {
 ANCHORS = {"language": "embed_tokens.weight", "vision": "embeddings.patch_embedding.weight",
            "projector": "linear_1.weight"}
 LM_HEAD_PREFIXES = {"language_model.model.": "language_model.", "model.language_model.": ""}
+PLACEHOLDER = "<image>"  # the image placeholder token of LLaVA's tokenizers and processors
 NOT_READ = "LLaVA never reads it: the tower's output is the hidden state of vision_feature_layer"
 
 
