@@ -127,16 +127,27 @@ def _image_conversations(root, n: int = 16) -> Path:
     return root / "data.jsonl"
 
 
-def test_loom_verify_passes_for_a_llava_folder_with_the_tower_fanning_in(llava, worlds, tmp_path):
-    """LLaVA 1.5's shape (CLIP, [CLS] dropped) on a user's images, sized by its processor: vision dp4 (tp1) → the
-    LLM at tp2 × dp2 on 4 gloo ranks, against the one-process reference."""
+# LLaVA 1.5's shape (CLIP, [CLS] dropped) under layouts (world size, overrides); 2-rank worlds first (the pool keeps
+# two worlds alive)
+LAYOUTS = {
+    "vision-tp2-sp-fan-out": (2, ["--layout.vision.tp=2", "--layout.vision.sequence_parallel=true"]),  # dp1 → dp2
+    "llm-cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),  # vision dp2 → LLM cp2
+    "llm-pp2": (2, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
+    "vision-dp4-fan-in-llm-tp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),  # dp4 → tp2 × dp2
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_loom_verify_passes_for_a_llava_folder_under_layouts(llava, worlds, tmp_path, name):
+    """A user's images, sized by the folder's processor, on gloo ranks against the one-process reference."""
     _, folder = llava("clip-llama")
     (tmp_path / "tok").mkdir()
     data = _image_conversations(tmp_path / "data")
+    world, layout = LAYOUTS[name]
     overrides = [f"--model.hf={folder}", f"--model.tokenizer={tiny_chat_tokenizer(tmp_path / 'tok')}",
                  f'--data.sources=[{{path = "{data}", weight = 1.0}}]', "--data.heldout_size=2",
-                 "--train.global_batch_size=8", "--layout.vision.tp=1", "--layout.language.tp=2"]
-    per_rank = worlds.run(4, _verify_llava, overrides, timeout=300)
+                 "--train.global_batch_size=8", *layout]
+    per_rank = worlds.run(world, _verify_llava, overrides, timeout=300)
     for rank, checks in enumerate(per_rank):
         assert len(checks) == 3
         for step, check in enumerate(checks):
@@ -144,3 +155,21 @@ def test_loom_verify_passes_for_a_llava_folder_with_the_tower_fanning_in(llava, 
             assert check["ref_norm"] > check["clip"], f"rank {rank} step {step + 1}: clipping not active"
             assert check["passed"], f"rank {rank} step {step + 1}: {check['failures']}"
         assert checks == per_rank[0]
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    # an encoder pipeline passes as many rows between stages as the tower outputs: one per image too few here
+    (['--layout.vision.ranks="0-1"', '--layout.language.ranks="2-3"', "--layout.vision.pp=2"],
+     ["vision: pp = 2", "drops each image's first row", "layout.vision.pp = 1"]),
+    (["--model.language.hf={other}"], ["model.hf", "model.language.hf", "remove one"]),
+])
+def test_a_layout_or_folder_a_llava_model_cannot_take_is_named_when_the_config_loads(llava, overrides, fragments):
+    from loom.job import load_config
+    from loom.typed_config import ConfigError
+
+    _, folder = llava("clip-llama")
+    _, other = llava("siglip-qwen2")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"--model.hf={folder}", "--data.tasks=[\"digits\"]",
+                           *(o.format(other=other) for o in overrides)], world_size=4)
+    assert all(f in str(err.value) for f in fragments), str(err.value)
