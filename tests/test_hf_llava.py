@@ -173,3 +173,55 @@ def test_a_layout_or_folder_a_llava_model_cannot_take_is_named_when_the_config_l
         load_config(None, [f"--model.hf={folder}", "--data.tasks=[\"digits\"]",
                            *(o.format(other=other) for o in overrides)], world_size=4)
     assert all(f in str(err.value) for f in fragments), str(err.value)
+
+
+# the tensor-name layouts LLaVA folders come in: transformers 5.24's save_pretrained (as written), transformers 4's
+# (the tower under vision_model.), and transformers 5's in-memory names
+NAMINGS = {
+    "transformers-4": [(r"^vision_tower\.", "vision_tower.vision_model.")],
+    "transformers-5-in-memory": [(r"^language_model\.model\.", "model.language_model."),
+                                 (r"^language_model\.lm_head\.", "lm_head."),
+                                 (r"^vision_tower\.", "model.vision_tower."),
+                                 (r"^multi_modal_projector\.", "model.multi_modal_projector.")],
+}
+
+
+@pytest.mark.parametrize("naming", list(NAMINGS))
+def test_every_naming_of_a_llava_folder_loads_the_same_model(llava, tmp_path, naming):
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, folder = llava("clip-llama")
+    shutil.copytree(folder, tmp_path / naming)
+    renamed = {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        for pattern, repl in NAMINGS[naming]:
+            name = re.sub(pattern, repl, name)
+        renamed[name] = t
+    save_file(renamed, tmp_path / naming / "model.safetensors", metadata={"format": "pt"})
+    want, got = build_pretrained(folder).state_dict(), build_pretrained(tmp_path / naming).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_an_older_config_json_takes_transformers_defaults_for_what_it_leaves_out():
+    """llava-hf/llava-1.5-7b-hf's config.json (transformers 4.36) names only what differs from LlamaConfig's and
+    CLIPVisionConfig's defaults."""
+    from loom.models.hf.llava import llava_configs
+
+    hf = {"architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+          "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+          "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                          "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+          "tie_word_embeddings": False, "vision_config": {
+              "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
+              "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+              "vocab_size": 32000},
+          "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+    lm, vision = llava_configs(hf, "llava-1.5-7b-hf", "")
+    assert (lm.vocab_size, lm.hidden_size, lm.num_layers, lm.num_heads, lm.num_kv_heads, lm.intermediate_size,
+            lm.rms_norm_eps, lm.tie_embeddings) == (32064, 4096, 32, 32, 32, 11008, 1e-5, False)
+    assert (vision.num_layers, vision.position_grid, vision.patch_size, vision.act, vision.layer_norm_eps) == (
+        23, 24, 14, "quick", 1e-5)
+    assert vision.class_token and vision.drop_first_row and not vision.final_norm
