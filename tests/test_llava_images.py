@@ -84,3 +84,52 @@ def test_a_processor_config_loom_cannot_follow_is_named(tmp_path):
         ImageRule.of(4, 16, 1024, tmp_path, processor_sizes=True)
     with pytest.raises(PreprocessorConfigError, match="no preprocessor_config.json"):
         ImageRule.of(4, 16, 1024, tmp_path / "absent", processor_sizes=True)
+
+
+# llava-hf's LLaVA 1.5 chat template (its processor's chat_template.json): images first, then text, parts by type
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def test_a_llava_conversation_gives_llava_processors_ids(llava, tmp_path):
+    """Two turns, three images: loom's ids (the template in the processor's chat_template.json, each <image>
+    repeated per the tower's rows) equal LlavaProcessor's apply_chat_template + its call on the same images."""
+    from llava_folders import image_processor
+
+    from loom.data.chat import ChatTokenizer
+    from loom.data.conversations import parse_conversation
+    from loom.models.hf import build_pretrained
+
+    _, folder = llava("clip-llama")
+    tok = _hf_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA_TEMPLATE}))
+    processor = LlavaProcessor(image_processor=image_processor("clip-llama"), tokenizer=tok, patch_size=4,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=LLAVA_TEMPLATE)
+    paths = _pngs(tmp_path, SIZES[:3])
+    messages = [{"role": "user", "content": [{"type": "image", "path": paths[0].name},
+                                             {"type": "text", "text": "What is this?"},
+                                             {"type": "image", "path": paths[1].name}]},
+                {"role": "assistant", "content": "A cat."},
+                {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                             {"type": "image", "path": paths[2].name}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A dog."}]}]
+    as_hf = [dict(m, content=m["content"] if isinstance(m["content"], list) else
+                  [{"type": "text", "text": m["content"]}]) for m in messages]
+    text = processor.apply_chat_template(as_hf, tokenize=False)
+    want = processor(text=text, images=[Image.open(p) for p in paths])["input_ids"][0]
+
+    chat = ChatTokenizer(tmp_path / "tok", {"vision": "<image>"})
+    assert chat.reads_parts and chat.added == ["<image>"]  # added as the HF tokenizer above added it
+    conv = parse_conversation(json.dumps({"messages": messages}), "data.jsonl:1", tmp_path)
+    rows = build_pretrained(folder).encoder("vision").num_tokens(torch.zeros(3, 16, 16))
+    ids, targets = chat.encode(conv, {"vision": [rows] * 3})
+    assert ids == list(want) and sum(i == processor.image_token_id for i in ids) == 3 * 16
+    # each answer from where the generation prompt 'ASSISTANT:' ends (this template writes no end-of-turn token)
+    assert chat.tokenizer.decode([i for i, t in zip(ids, targets) if t]) == " A cat.  A dog. "
