@@ -170,7 +170,7 @@ def test_a_layout_or_folder_a_llava_model_cannot_take_is_named_when_the_config_l
     _, folder = llava("clip-llama")
     _, other = llava("siglip-qwen2")
     with pytest.raises(ConfigError) as err:
-        load_config(None, [f"--model.hf={folder}", "--data.tasks=[\"digits\"]",
+        load_config(None, [f"--model.hf={folder}", "--data.tasks=[\"sums\"]",
                            *(o.format(other=other) for o in overrides)], world_size=4)
     assert all(f in str(err.value) for f in fragments), str(err.value)
 
@@ -225,3 +225,12 @@ def test_an_older_config_json_takes_transformers_defaults_for_what_it_leaves_out
     assert (vision.num_layers, vision.position_grid, vision.patch_size, vision.act, vision.layer_norm_eps) == (
         23, 24, 14, "quick", 1e-5)
     assert vision.class_token and vision.drop_first_row and not vision.final_norm
+
+
+def test_a_clip_tower_refuses_the_built_in_image_tasks_when_the_config_loads(llava):
+    from loom.job import load_config
+    from loom.typed_config import ConfigError
+
+    _, folder = llava("clip-llama")
+    with pytest.raises(ConfigError, match=r"data.tasks \['digits'\] draw images of assorted sizes.*16 × 16"):
+        load_config(None, [f"--model.hf={folder}", "--data.tasks=[\"digits\"]"])
