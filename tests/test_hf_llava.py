@@ -67,15 +67,21 @@ def test_a_llava_folder_gives_transformers_logits_for_packed_samples(llava, name
     assert (got - want).abs().max() <= TOL
 
 
-def test_a_llava_job_trains_and_exports_a_llava_folder_transformers_reads_with_equal_logits(llava, tmp_path, capsys):
-    """SigLIP + Qwen2 (SigLIP's positions interpolate, so the built-in tasks' image sizes train): one step, a
-    checkpoint, `loom export` → one llava folder: the trained tensors, the unread tower tensors as they were."""
+@pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16])
+def test_a_llava_job_trains_and_exports_a_llava_folder_transformers_reads_with_equal_logits(
+        llava, tmp_path, capsys, source_dtype):
+    """SigLIP + Qwen2 (SigLIP's positions interpolate, so the built-in tasks' image sizes train): one step in fp32, a
+    checkpoint, `loom export` → one llava folder in fp32: the trained tensors, the unread tower tensors as they
+    were (a bf16 folder's cast up)."""
     import loom.cli
     from loom.job import load_config
     from loom.train.trainer import Trainer
     from safetensors.torch import load_file
 
     ref, folder = llava("siglip-qwen2")
+    if source_dtype != torch.float32:  # the folder as released models are stored; transformers' model stays fp32
+        LlavaForConditionalGeneration.from_pretrained(folder, dtype=source_dtype).save_pretrained(tmp_path / "half")
+        folder, ref = tmp_path / "half", LlavaForConditionalGeneration.from_pretrained(tmp_path / "half").eval()
     cfg = load_config(None, [
         f"--model.hf={folder}", "--data.tasks=[\"digits\", \"shapes\"]", "--data.train_size=16",
         "--data.heldout_size=2", "--train.global_batch_size=4", "--train.steps=1", "--train.device=cpu",
@@ -95,7 +101,9 @@ def test_a_llava_job_trains_and_exports_a_llava_folder_transformers_reads_with_e
     original, exported = load_file(folder / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert exported.keys() == original.keys()
     unread = [k for k in original if ".head." in k or "post_layernorm" in k or "encoder.layers.2." in k]
-    assert unread and all(torch.equal(exported[k], original[k]) for k in unread)
+    assert unread and all(torch.equal(exported[k], original[k].float()) for k in unread)
+    assert {t.dtype for t in exported.values()} == {torch.float32}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
     samples = packed_samples(model, IMAGES_PER_SAMPLE, seed=3)
     image_id = FOLDERS["siglip-qwen2"].image_token_index
     as_hf = [(torch.where(ids == model.placeholder_ids["vision"], image_id, ids), images) for ids, images in samples]

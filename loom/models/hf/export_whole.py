@@ -41,20 +41,25 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
     parts = {"language.": model.language, "vision.encoder.": model.vision.encoder,
              "vision.projector.": model.vision.projector}
     tensors: dict[str, torch.Tensor] = {}
+    unread: dict[str, torch.Tensor] = {}
     for prefix, module in parts.items():
         grown = ("embed_tokens.weight", "lm_head.weight") if prefix == "language." else ()
         weights = HFWeights(source, module, grown)
         try:
             tensors.update({h: get(prefix + n) for n, h in weights.names.items()})
-            tensors.update({h: weights.read_stored(h) for h, why in weights.report.skipped.items()
-                            if why == llava.NOT_READ})
+            unread.update({h: weights.read_stored(h) for h, why in weights.report.skipped.items()
+                           if why == llava.NOT_READ})
         finally:
             weights.close()
+    dtype = next(iter(tensors.values())).dtype  # the folder in the trained dtype throughout, as config.json says
+    tensors.update({h: t.to(dtype) for h, t in unread.items()})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({h: t.detach().contiguous().cpu() for h, t in tensors.items()}, out / "model.safetensors",
               metadata={"format": "pt"})
-    config = dict(hf, text_config={**(hf.get("text_config") or {}), "vocab_size": m.language.vocab_size})
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = dict(hf, text_config={**(hf.get("text_config") or {}), "vocab_size": m.language.vocab_size},
+                  dtype=dtype_name, torch_dtype=dtype_name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for path in source.iterdir():  # the processor's and tokenizer's files
         if path.is_file() and path.name not in ("config.json", "model.safetensors.index.json") and \
