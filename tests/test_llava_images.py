@@ -51,10 +51,22 @@ def test_images_are_the_processors_pixels(processor, tmp_path):
         assert (got - want).abs().max() <= 1e-5, path.name
 
 
-def _hf_tokenizer(root) -> PreTrainedTokenizerFast:
+def _hf_tokenizer(root, bos: bool = False) -> PreTrainedTokenizerFast:
+    """The tiny chat tokenizer with <image> added; `bos`: with Llama's <s> put before every text by its
+    post-processor."""
     root.mkdir()
     tiny_chat_tokenizer(root)
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"))
+    if bos:
+        from tokenizers import AddedToken, Tokenizer, processors
+
+        raw = Tokenizer.from_file(str(root / "tokenizer.json"))
+        raw.add_special_tokens([AddedToken("<s>", special=True, normalized=False)])
+        raw.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", raw.token_to_id("<s>"))])
+        raw.save(str(root / "tokenizer.json"))
+        config = json.loads((root / "tokenizer_config.json").read_text())
+        (root / "tokenizer_config.json").write_text(json.dumps(dict(config, bos_token="<s>")))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"), bos_token="<s>" if bos else None)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     return tok
 
@@ -97,9 +109,11 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
 
-def test_a_llava_conversation_gives_llava_processors_ids(llava, tmp_path):
+@pytest.mark.parametrize("bos", [False, True], ids=["no-bos", "llama-bos"])
+def test_a_llava_conversation_gives_llava_processors_ids(llava, tmp_path, bos):
     """Two turns, three images: loom's ids (the template in the processor's chat_template.json, each <image>
-    repeated per the tower's rows) equal LlavaProcessor's apply_chat_template + its call on the same images."""
+    repeated per the tower's rows) equal LlavaProcessor's apply_chat_template + its call on the same images — with
+    the <s> a Llama tokenizer puts first, which the processor's call adds and the template does not write."""
     from llava_folders import image_processor
 
     from loom.data.chat import ChatTokenizer
@@ -107,7 +121,7 @@ def test_a_llava_conversation_gives_llava_processors_ids(llava, tmp_path):
     from loom.models.hf import build_pretrained
 
     _, folder = llava("clip-llama")
-    tok = _hf_tokenizer(tmp_path / "tok")
+    tok = _hf_tokenizer(tmp_path / "tok", bos)
     (tmp_path / "tok" / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA_TEMPLATE}))
     processor = LlavaProcessor(image_processor=image_processor("clip-llama"), tokenizer=tok, patch_size=4,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
@@ -131,5 +145,6 @@ def test_a_llava_conversation_gives_llava_processors_ids(llava, tmp_path):
     rows = build_pretrained(folder).encoder("vision").num_tokens(torch.zeros(3, 16, 16))
     ids, targets = chat.encode(conv, {"vision": [rows] * 3})
     assert ids == list(want) and sum(i == processor.image_token_id for i in ids) == 3 * 16
+    assert (ids[0] == tok.bos_token_id) == bos
     # each answer from where the generation prompt 'ASSISTANT:' ends (this template writes no end-of-turn token)
     assert chat.tokenizer.decode([i for i, t in zip(ids, targets) if t]) == " A cat.  A dog. "

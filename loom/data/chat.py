@@ -41,7 +41,7 @@ class ChatTokenizer:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        template = template_source(folder, config)
+        template, self.processor_template = template_source(folder, config)
         env = environment()  # transformers' settings
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template)
@@ -132,7 +132,10 @@ class ChatTokenizer:
                 ) -> tuple[list[int], list[bool]]:
         """`text` tokenised, each media placeholder repeated as many times as its item's rows; a text token
         whose characters [a, b) satisfy `is_target(a, b)` is a target."""
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        # a processor's template: its text tokenised as the processor does (chat_template.py)
+        bos = self.specials["bos_token"]
+        specials = self.processor_template and not (bos and text.startswith(bos))
+        encoding = self.tokenizer.encode(text, add_special_tokens=specials)
         ids, targets = [], []
         taken = dict.fromkeys(rows, 0)
         module_of = {i: module for module, i in self.placeholder_ids.items()}
