@@ -104,10 +104,10 @@ class VisionEncoder(nn.Module):
         """The layers' output (images of `lengths` rows, one after another) → the encoder's."""
         if self.post_layernorm is not None:
             h = self.post_layernorm(h)
-        if self.cfg.drop_first_row:  # the rows after each image's first
+        if self.cfg.drop_first_row:  # the rows after each image's first, indexed from the host (no device sync)
             keep = torch.ones(h.shape[0], dtype=torch.bool)
             keep[[0, *itertools.accumulate(lengths)][:-1]] = False
-            h = h[keep.to(h.device)]
+            h = h.index_select(0, keep.nonzero().squeeze(1).to(h.device, non_blocking=True))
         return h
 
     def _positions(self, h: int, w: int) -> torch.Tensor:
