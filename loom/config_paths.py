@@ -34,7 +34,8 @@ def with_config_relative_paths(cfg: JobConfig, config_file: str | Path | None, o
     m, d = cfg.model, cfg.data
     modules = {name: dataclasses.replace(getattr(m, name), hf=resolve(f"model.{name}.hf", getattr(m, name).hf))
                for name in MODULES}
-    model = dataclasses.replace(m, tokenizer=resolve("model.tokenizer", m.tokenizer), **modules)
+    model = dataclasses.replace(m, tokenizer=resolve("model.tokenizer", m.tokenizer), hf=resolve("model.hf", m.hf),
+                                **modules)
     sources = [dataclasses.replace(s, path=resolve(f"data.sources.{i}.path", s.path)) for i, s in enumerate(d.sources)]
     data = dataclasses.replace(d, sources=sources, heldout=resolve("data.heldout", d.heldout))
     return dataclasses.replace(cfg, model=model, data=data)

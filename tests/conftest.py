@@ -283,6 +283,22 @@ def saved_far_from_init(model: torch.nn.Module, folder: Path):
     return model, folder
 
 
+@pytest.fixture(scope="session")
+def llava(tmp_path_factory):
+    """name of tests/llava_folders.py's FOLDERS → (transformers' LlavaForConditionalGeneration far from its init,
+    its save_pretrained folder with a preprocessor_config.json); each written once per session."""
+    from llava_folders import write_llava
+
+    root, made = tmp_path_factory.mktemp("llava"), {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = write_llava(name, root / name)
+        return made[name]
+
+    return get
+
+
 def assert_logits_equal_transformers(ref: torch.nn.Module, lm: torch.nn.Module, vocab: int, tol: float = 1e-5):
     """loom's DecoderLM `lm` gives transformers' `ref` logits within `tol`: on a padded batch of 2 × 24, and on 3
     samples packed into one stream (positions restart, attention stays inside each) against each alone."""

@@ -1,13 +1,12 @@
 """A Hugging Face tokenizer folder and its chat template turning a Conversation into training tokens.
 
-The folder holds `tokenizer.json` (read with `tokenizers`) and the chat template (`tokenizer_config.json`'s
-`chat_template`, or `chat_template.jinja`), rendered in jinja2's immutable sandbox as transformers does — the
-template is text from the folder, so it must not run arbitrary code.
+The folder holds `tokenizer.json` (read with `tokenizers`) and the chat template (chat_template.py: where it is
+read from, the sandbox it renders in).
 
 Media: each image or clip is written into its turn's text as the modality's placeholder token (e.g.
-`<|image_pad|>`), so any template renders it, then the one placeholder becomes as many as the encoder emits
-rows for that item. A placeholder missing from the vocabulary is added (`added`: the model's embedding must
-grow by as many rows).
+`<|image_pad|>`) — by the template itself where it reads content parts (chat_template.py) — then the one
+placeholder becomes as many as the encoder emits rows for that item. A placeholder missing from the vocabulary
+is added (`added`: the model's embedding must grow by as many rows).
 
 Loss mask: only assistant turns are targets. Each assistant turn's text is found by rendering the
 conversation up to it twice — with the generation prompt before it, and with it — so the difference is
@@ -21,9 +20,9 @@ import json
 from pathlib import Path
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
+from loom.data.chat_template import READS_PARTS, environment, template_source
 from loom.data.conversations import MODULE_OF, BadSample, Conversation
 
 PLACEHOLDERS = {"vision": "<|image_pad|>", "audio": "<|audio_pad|>"}  # encoder → its placeholder token
@@ -42,15 +41,11 @@ class ChatTokenizer:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        template = config.get("chat_template")
-        if not template and (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
-        if not isinstance(template, str) or not template:
-            raise ValueError(f"{folder}: no chat template (tokenizer_config.json \"chat_template\" or "
-                             f"chat_template.jinja); loom renders conversations with it")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # transformers' settings
+        template, self.processor_template = template_source(folder, config)
+        env = environment()  # transformers' settings
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template)
+        self.reads_parts = bool(READS_PARTS.search(template))
         self.specials = {"bos_token": _token_text(config.get("bos_token")),
                          "eos_token": _token_text(config.get("eos_token"))}
         self.placeholders = dict(PLACEHOLDERS if placeholders is None else placeholders)
@@ -93,7 +88,12 @@ class ChatTokenizer:
             raise BadSample(f"{conv.where}: the chat template refuses this conversation ({e})") from None
 
     def messages(self, conv: Conversation) -> list[dict]:
-        """The conversation as the template reads it: each turn's text, media as placeholder tokens."""
+        """The conversation as the template reads it: each turn's parts (chat_template.py), or its text with media
+        as placeholder tokens."""
+        if self.reads_parts:
+            return [{"role": t.role, "content": [{"type": "text", "text": p.text} if p.kind == "text" else
+                                                 {"type": p.kind} for p in t.parts]} for t in conv.turns]
+
         def text(p) -> str:
             return p.text if p.kind == "text" else self.placeholders[MODULE_OF[p.kind]]
 
@@ -132,7 +132,10 @@ class ChatTokenizer:
                 ) -> tuple[list[int], list[bool]]:
         """`text` tokenised, each media placeholder repeated as many times as its item's rows; a text token
         whose characters [a, b) satisfy `is_target(a, b)` is a target."""
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        # a processor's template: its text tokenised as the processor does (chat_template.py)
+        bos = self.specials["bos_token"]
+        specials = self.processor_template and not (bos and text.startswith(bos))
+        encoding = self.tokenizer.encode(text, add_special_tokens=specials)
         ids, targets = [], []
         taken = dict.fromkeys(rows, 0)
         module_of = {i: module for module, i in self.placeholder_ids.items()}

@@ -41,6 +41,13 @@ def check_tasks(cfg: JobConfig) -> None:
             )
     if not d.tasks:
         raise ConfigError("data.tasks is empty; choose from " + str(list(TASKS)))
+    v = m.vision
+    images = [t for t in d.tasks if TASK_ENCODER[t] == "vision"]
+    if v.class_token and "vision" in m.encoders and images:  # the tasks' images have assorted sizes
+        side = v.position_grid * v.patch_size
+        raise ConfigError(f"data.tasks {images} draw images of assorted sizes, and this CLIP tower takes only "
+                          f"{side} × {side} (its positions do not interpolate): train it on data.sources, whose images "
+                          f"its processor sizes, or on text tasks")
     if m.tokenizer:
         raise ConfigError(f"model.tokenizer = {m.tokenizer!r} is the tokenizer of a user's data ([[data.sources]]); "
                           f"the built-in tasks (data.tasks) use loom's byte tokenizer")

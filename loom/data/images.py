@@ -7,6 +7,10 @@ first made upright 8-bit RGB as transformers' `load_image` / `convert_to_rgb` ma
 resampling filter, rescale factor, mean and std come from the encoder folder's `preprocessor_config.json` when
 there is one (`resample`, `rescale_factor`, `image_mean`, `image_std`, `do_rescale`, `do_normalize`), else
 bicubic, 1/255, 0.5 and 0.5 (SigLIP's).
+
+A whole-model folder's images (LLaVA's) are sized as its processor sizes them instead (`ImageRule.of(…,
+processor_sizes=True)`): CLIP's shorter side to `size.shortest_edge` (aspect kept, the longer side truncated) and a
+centred `crop_size` crop, or a resize straight to `size.height × width` — every image then has the tower's size.
 """
 
 from __future__ import annotations
@@ -40,14 +44,21 @@ class ImageRule:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     rescale_factor: float = 1 / 255
     resample: int = Image.Resampling.BICUBIC  # a Pillow filter, as preprocessor_config.json's "resample" holds
+    shortest_edge: int = 0  # CLIP's processor: the shorter side resized to this first (0: Qwen2-VL's rule above)
+    size: tuple[int, int] | None = None  # (H, W) every image ends at: CLIP's centred crop, or a straight resize
 
     @staticmethod
-    def of(patch: int, min_pixels: int, max_pixels: int, folder: str | Path | None = None) -> ImageRule:
-        """With the preprocessing of `folder`'s preprocessor_config.json, when it has one."""
+    def of(patch: int, min_pixels: int, max_pixels: int, folder: str | Path | None = None,
+           processor_sizes: bool = False) -> ImageRule:
+        """With the preprocessing of `folder`'s preprocessor_config.json, when it has one; `processor_sizes`: its
+        sizes too (a LLaVA folder's, which must have the file)."""
         if not patch * patch <= min_pixels <= max_pixels:
             raise ValueError(f"image pixels: need patch² ({patch * patch}) ≤ min_pixels ({min_pixels}) ≤ "
                              f"max_pixels ({max_pixels})")
         config = Path(folder) / "preprocessor_config.json" if folder else None
+        if processor_sizes and (config is None or not config.is_file()):
+            raise PreprocessorConfigError(f"{folder}: no preprocessor_config.json, where this model's image size and "
+                                          f"normalisation are written")
         try:
             data = json.loads(config.read_text()) if config is not None and config.is_file() else {}
             mean, std = tuple(data.get("image_mean", (0.5,) * 3)), tuple(data.get("image_std", (0.5,) * 3))
@@ -63,11 +74,46 @@ class ImageRule:
         if len(mean) != 3 or len(std) != 3 or not all(x > 0 for x in std):
             raise PreprocessorConfigError(f"{config}: image_mean = {list(mean)}, image_std = {list(std)}: need "
                                           f"three of each, every std > 0")
-        return ImageRule(patch, min_pixels, max_pixels, mean, std, factor, resample)
+        sizes = _processor_sizes(data, config) if processor_sizes else {}
+        return ImageRule(patch, min_pixels, max_pixels, mean, std, factor, resample, **sizes)
+
+
+def _processor_sizes(data: dict, config: Path) -> dict:
+    """ImageRule's shortest_edge and size from a CLIP / SigLIP processor's `size`, `crop_size`, `do_center_crop`."""
+    size, crop = data.get("size") or {}, data.get("crop_size") or {}
+    if isinstance(crop, int):
+        crop = {"height": crop, "width": crop}
+    if not data.get("do_resize", True):
+        raise PreprocessorConfigError(f"{config}: do_resize = false: loom resizes every image to the tower's size")
+    if "shortest_edge" in size:
+        if not data.get("do_center_crop", True) or not {"height", "width"} <= set(crop):
+            raise PreprocessorConfigError(f"{config}: size.shortest_edge without a centre crop (do_center_crop, "
+                                          f"crop_size) leaves images of several sizes; the tower takes one")
+        edge, out = int(size["shortest_edge"]), (int(crop["height"]), int(crop["width"]))
+        if edge < max(out):
+            raise PreprocessorConfigError(f"{config}: size.shortest_edge = {edge} is smaller than crop_size {out}: "
+                                          f"the crop would need padding, which loom does not do")
+        return {"shortest_edge": edge, "size": out}
+    if {"height", "width"} <= set(size) and not data.get("do_center_crop", False):
+        return {"size": (int(size["height"]), int(size["width"]))}
+    raise PreprocessorConfigError(f"{config}: size = {size}, crop_size = {crop}: loom reads size.shortest_edge with "
+                                  f"a centre crop (CLIP's processor) or size.height and width (SigLIP's)")
 
 
 def target_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
-    """(H, W): multiples of the patch, the aspect ratio kept, H·W within [min_pixels, max_pixels]."""
+    """(H, W): multiples of the patch, the aspect ratio kept, H·W within [min_pixels, max_pixels]; or the
+    processor's size (ImageRule.size)."""
+    return rule.size or resized_size(height, width, rule)
+
+
+def resized_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
+    """(H, W) an image is resized to, before any crop."""
+    if rule.shortest_edge:  # as transformers' get_resize_output_image_size: the longer side truncated
+        short, long = min(height, width), max(height, width)
+        other = int(rule.shortest_edge * long / short)
+        return (other, rule.shortest_edge) if width <= height else (rule.shortest_edge, other)
+    if rule.size:
+        return rule.size
     p = rule.patch
     h, w = max(p, round(height / p) * p), max(p, round(width / p) * p)
     if h * w > rule.max_pixels:
@@ -99,8 +145,11 @@ def load_image(source: str | Path | bytes, rule: ImageRule, where: str = "", nam
     try:
         with Image.open(_opened(source)) as img:
             img = as_rgb(img)
-            h, w = target_size(img.height, img.width, rule)
+            h, w = resized_size(img.height, img.width, rule)
             img = img.resize((w, h), Image.Resampling(rule.resample))
+            if rule.shortest_edge:  # the centred crop, its top-left corner rounded down as transformers rounds it
+                (ch, cw), top, left = rule.size, (h - rule.size[0]) // 2, (w - rule.size[1]) // 2
+                img = img.crop((left, top, left + cw, top + ch))
             pixels = np.asarray(img, dtype=np.float32) * np.float32(rule.rescale_factor)
     except (OSError, UnidentifiedImageError) as e:
         raise BadSample(f"{where + ': ' if where else ''}cannot decode image {name or str(source)!r} ({e})") from None

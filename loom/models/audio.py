@@ -70,7 +70,8 @@ class AudioEncoder(nn.Module):
 
     def forward(self, clips: list[torch.Tensor]) -> torch.Tensor:
         """clips: each [num_features, frames] → [sum of subsampled frames, hidden], clip after clip."""
-        return self.finish(run_packed(*self.embed(clips), self.layers, self.row_budget))
+        h, lengths = self.embed(clips)
+        return self.finish(run_packed(h, lengths, self.layers, self.row_budget), lengths)
 
     def embed(self, clips: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The layers' input: every clip subsampled, with positions ([sum of frames, hidden]), and each
@@ -81,8 +82,8 @@ class AudioEncoder(nn.Module):
         pieces = [self._add_positions(F.gelu(x)) for x in frames]
         return torch.cat(pieces), [x.shape[0] for x in pieces]
 
-    def finish(self, h: torch.Tensor) -> torch.Tensor:
-        """The layers' output → the encoder's."""
+    def finish(self, h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The layers' output (clips of `lengths` rows) → the encoder's."""
         return self.layer_norm(h)
 
     def _add_positions(self, x: torch.Tensor) -> torch.Tensor:

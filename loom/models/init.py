@@ -59,6 +59,9 @@ def _rule(name: str, owner: nn.Module, attr: str, llm_std: float | None):
         return lambda t, gen: t.normal_(0.0, llm_std, generator=gen)  # Router / Experts: every tensor a weight
     if isinstance(owner, nn.Embedding):
         return lambda t, gen: t.normal_(0.0, 1.0, generator=gen)
+    if attr == "class_embedding":  # a CLIP tower's [CLS] row, drawn as CLIP draws it
+        std = owner.class_embedding.shape[-1] ** -0.5
+        return lambda t, gen: t.normal_(0.0, std, generator=gen)
     if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d)):
         bound = 1.0 / math.sqrt(math.prod(owner.weight.shape[1:]))  # fan_in: in_features × kernel size (global shape)
         return lambda t, gen: t.uniform_(-bound, bound, generator=gen)

@@ -153,8 +153,16 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def encoder_act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The encoders' activations: exact gelu ("none"), SigLIP's tanh gelu ("tanh"), CLIP's quick_gelu ("quick")."""
+    if kind == "quick":
+        return x * torch.sigmoid(1.702 * x)
+    return F.gelu(x, approximate=kind)
+
+
 class GeluMLP(nn.Module):
-    """Two-layer MLP of ViT/SigLIP/Whisper; `approximate='tanh'` is SigLIP's gelu_pytorch_tanh."""
+    """Two-layer MLP of ViT/SigLIP/CLIP/Whisper; `approximate`: an encoder_act kind ("tanh": SigLIP's
+    gelu_pytorch_tanh, "quick": CLIP's quick_gelu)."""
 
     def __init__(self, dim: int, hidden: int, approximate: str = "none") -> None:
         super().__init__()
@@ -163,4 +171,4 @@ class GeluMLP(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        return self.fc2(encoder_act(self.fc1(x), self.approximate))

@@ -25,6 +25,8 @@ class ModelConfig:
     here, next to the model it describes, so that loom/models never imports the job's config (loom/config.py)."""
 
     encoders: list[str] = field(default_factory=lambda: ["vision", "audio"])
+    # a Hugging Face folder holding the whole model (LLaVA): it sets the encoders, every module's sizes and `hf`
+    hf: str = ""
     # a Hugging Face tokenizer folder (tokenizer.json + chat template) for data.sources; empty: loom's byte
     # tokenizer, which the built-in tasks use
     tokenizer: str = ""
@@ -37,10 +39,10 @@ class ModelConfig:
 class ModalityEncoder(nn.Module):
     """An encoder and its projector: inputs of one modality → [tokens, llm_hidden]."""
 
-    def __init__(self, encoder: nn.Module, llm_hidden: int) -> None:
+    def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu") -> None:
         super().__init__()
         self.encoder = encoder
-        self.projector = Projector(encoder.out_dim, llm_hidden)
+        self.projector = Projector(encoder.out_dim, llm_hidden, projector_act)
 
     def num_tokens(self, item: torch.Tensor) -> int:
         return self.encoder.num_tokens(item)
@@ -104,7 +106,7 @@ def build_model(
     """`make(cls, cfg)` builds the LLM and each encoder (e.g. loading pretrained weights); projectors are new."""
     encoders = {}
     if vision is not None:
-        encoders["vision"] = ModalityEncoder(make(VisionEncoder, vision), language.hidden_size)
+        encoders["vision"] = ModalityEncoder(make(VisionEncoder, vision), language.hidden_size, vision.projector_act)
     if audio is not None:
         encoders["audio"] = ModalityEncoder(make(AudioEncoder, audio), language.hidden_size)
     return MultimodalModel(make(DecoderLM, language), encoders, placeholder_ids)

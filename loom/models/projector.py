@@ -6,12 +6,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# the activations between the two matmuls, by their Hugging Face names (LLaVA's `projector_hidden_act`)
+PROJECTOR_ACTS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
 
 class Projector(nn.Module):
-    def __init__(self, in_dim: int, out_dim: int) -> None:
+    def __init__(self, in_dim: int, out_dim: int, act: str = "gelu") -> None:
         super().__init__()
         self.linear_1 = nn.Linear(in_dim, out_dim)
         self.linear_2 = nn.Linear(out_dim, out_dim)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.gelu(self.linear_1(x)))
+        return self.linear_2(PROJECTOR_ACTS[self.act](self.linear_1(x)))

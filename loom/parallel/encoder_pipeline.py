@@ -32,7 +32,8 @@ def split_encoder_layers(modality: ModalityEncoder, stages: int) -> list[list[in
     the last)."""
     enc = modality.encoder
     costs = [matmul_params(layer) for layer in enc.layers]
-    stem = sum(matmul_params(getattr(enc, name)) for name in enc.STEM)
+    # the stem's modules (a CLIP tower's [CLS] row is a bare parameter, absent parts None)
+    stem = sum(matmul_params(part) for name in enc.STEM if isinstance(part := getattr(enc, name), nn.Module))
     sizes = balanced_sizes(costs, stages, last_extra=matmul_params(modality.projector), first_extra=stem)
     bounds = [sum(sizes[:s]) for s in range(stages + 1)]
     return [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
@@ -68,7 +69,7 @@ class EncoderStage(nn.Module):
         h = run_packed(h, lengths, enc.layers.values(), enc.row_budget)
         if not self.position.is_last:
             return h
-        rows = self.projector(enc.finish(h))
+        rows = self.projector(enc.finish(h, lengths))
         return rows if item_rows else rows[:0].clone()  # no view: FSDP warns
 
 

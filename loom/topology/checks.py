@@ -189,6 +189,11 @@ def _check_encoder_pipeline(lay: Layout, placement: Placement, cfg: JobConfig) -
             f"{name}: pp = {lay.pp} with the encoders on the LLM's ranks (colocated): a colocated encoder runs "
             f"unpipelined — per microbatch, or on the whole step before a pipelined LLM — so give it more dp "
             f"instead (pp = 1), or put the encoders on ranks of their own (layout.{name}.ranks)")
+    v = cfg.model.vision
+    if name == "vision" and v.drop_first_row:
+        raise ConfigError(f"vision: pp = {lay.pp} with a LLaVA tower that drops each image's first row (its "
+                          f"vision_feature_select_strategy = 'default'): its stages would pass one row per image more "
+                          f"than it outputs, which encoder pipelines do not count; set layout.vision.pp = 1")
     if layers < lay.pp:
         raise ConfigError(f"{name}: pp = {lay.pp} stages exceed model.{name}.num_layers = {layers}; every stage "
                           f"needs at least one layer (use pp ≤ {layers})")

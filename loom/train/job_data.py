@@ -33,6 +33,7 @@ from loom.data.source import (
 )
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
+from loom.models.hf import llava
 from loom.train.inputs import fitting
 
 VOCAB_MULTIPLE = 64  # a grown vocabulary is rounded up to this, so tensor parallelism still divides it
@@ -42,8 +43,10 @@ def job_tokenizer(cfg: JobConfig) -> Vocabulary:
     """The byte tokenizer for the built-in tasks, else `model.tokenizer`'s (its placeholders added if missing)."""
     if not cfg.data.sources:
         return ByteTokenizer()
+    # a LLaVA folder's image placeholder is its tokenizer's "<image>" (`image_token_index`)
+    placeholders = {"vision": llava.PLACEHOLDER} if cfg.model.hf else None
     try:
-        return ChatTokenizer(cfg.model.tokenizer)
+        return ChatTokenizer(cfg.model.tokenizer, placeholders)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer = {cfg.model.tokenizer!r}: {e}") from None
 
@@ -145,9 +148,9 @@ def media_rules(cfg: JobConfig) -> MediaRules:
     p = v.patch_size
     low, high = d.image_min_pixels or p * p, d.image_max_pixels or (v.position_grid * p) ** 2
     try:
-        image = ImageRule.of(p, low, high, v.hf or None)
+        image = ImageRule.of(p, low, high, v.hf or None, processor_sizes=bool(cfg.model.hf))
     except PreprocessorConfigError as e:
-        raise ConfigError(f"model.vision.hf = {v.hf!r}: {e}") from None
+        raise ConfigError(f"model.{'' if cfg.model.hf else 'vision.'}hf = {v.hf!r}: {e}") from None
     except ValueError as e:
         raise ConfigError(f"data.image_min_pixels / data.image_max_pixels: {e}") from None
     return MediaRules(image, cfg.model.audio.num_features)

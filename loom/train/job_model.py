@@ -39,7 +39,7 @@ def build_job_model(cfg: JobConfig, tok: Vocabulary) -> MultimodalModel:
 def initial_weights(model: MultimodalModel, cfg: JobConfig, pretrained: bool = True) -> InitialWeights:
     """Where each weight's first value comes from: the folder of a module whose `hf` is set (when
     `pretrained`; every name and shape is checked now, from the files' headers, before anything is read),
-    else a draw seeded by its name. Projectors always start from draws."""
+    else a draw seeded by its name. Projectors start from draws, except a whole-model folder's (`model.hf`)."""
     folders = {}
     for name in (*model.encoder_names, "language") if pretrained else ():
         folder = getattr(cfg.model, name).hf
@@ -48,6 +48,8 @@ def initial_weights(model: MultimodalModel, cfg: JobConfig, pretrained: bool = T
             prefix = "language." if name == "language" else f"{name}.encoder."
             grown = ("embed_tokens.weight", "lm_head.weight") if name == "language" else ()  # job_data.with_vocabulary
             folders[prefix] = HFWeights(folder, module, grown)
+    if pretrained and cfg.model.hf:  # a whole-model folder holds the projector too
+        folders["vision.projector."] = HFWeights(cfg.model.hf, model.encoder("vision").projector)
     return InitialWeights(cfg.train.seed, cfg.model.language.init_std, folders)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from loom.models.hf.export_whole import export_whole
 from loom.models.hf.load import MODULES, expected_tensors, module_kind
 from loom.models.hf.mapping import HFError, config_to_hf
 from loom.models.hf.names import EXPORT_PREFIXES, hf_name
@@ -65,7 +66,8 @@ def write_hf_folder(kind: str, cfg, tensors: Mapping[str, torch.Tensor], out_dir
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path | list[str]]:
     """Writes each module of a loom checkpoint folder (a sharded `step-N`; see loom/checkpoint) as
-    `out_dir/<module>`, reading one tensor at a time. Returns the folders and the tensors not exported."""
+    `out_dir/<module>`, reading one tensor at a time — or, for a model loaded from a whole-model folder
+    (`model.hf`), `out_dir` as one folder of that family. Returns the folders and the tensors not exported."""
     from loom.checkpoint.read import CheckpointWeights
     from loom.checkpoint.sharded import CheckpointError
 
@@ -81,6 +83,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
         m = from_dict(ModelConfig, state["config"]["model"], "model.")
     except ConfigError as e:
         raise HFError(f"{ckpt}/state.json: {e}") from None
+    if m.hf:  # a whole-model folder's family: one folder
+        exported = ("language.", "vision.encoder.", "vision.projector.")
+        return {"model": export_whole(saved.get, m, out_dir),
+                "not_exported": sorted(n for n in saved.names if not n.startswith(exported))}
     modules = {"language": ("language.", m.language)}
     modules.update({name: (f"{name}.encoder.", getattr(m, name)) for name in m.encoders})
     written: dict = {}

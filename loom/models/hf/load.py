@@ -23,15 +23,18 @@ from safetensors import safe_open
 from loom.models.audio import AudioEncoder
 from loom.models.hf.fp8 import SCALES, dequantized, weight_blocks
 from loom.models.hf.mapping import HFError, config_from_hf, kind_of
-from loom.models.hf.names import detect_prefix, hf_name, skip_reason
+from loom.models.hf import llava
+from loom.models.hf.names import hf_name, locate, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM, LLMConfig
-from loom.models.multimodal import ModelConfig
+from loom.models.multimodal import ModelConfig, build_model
+from loom.models.projector import Projector
 from loom.models.vision import VisionEncoder
 from loom.typed_config import ConfigError
 
 MODULES = {"language": DecoderLM, "vision": VisionEncoder, "audio": AudioEncoder}
+PARTS = {**MODULES, "projector": Projector}  # what a folder may fill: a whole-model folder also has a projector
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
@@ -53,14 +56,23 @@ def read_hf_config(folder: str | Path) -> dict:
 
 
 def config_from_folder(folder: str | Path, expect: str | None = None):
-    """The loom config (LLMConfig / VisionConfig / AudioConfig) of a Hugging Face folder."""
+    """The loom config (LLMConfig / VisionConfig / AudioConfig) of a Hugging Face folder; of a whole-model
+    folder's `expect` module."""
     hf = read_hf_config(folder)
     if expect is not None:
         _check_kind(hf, expect, str(folder))
+    if llava.is_whole_model(hf):
+        if expect is None:
+            raise HFError(f"{folder} holds a whole LLaVA model: name the module (language or vision)")
+        return llava.llava_configs(hf, str(folder), str(folder))[("language", "vision").index(expect)]
     return config_from_hf(hf, str(folder), str(folder))
 
 
 def _check_kind(hf: dict, expect: str, where: str) -> None:
+    if llava.is_whole_model(hf):
+        if expect not in llava.PREFIXES:
+            raise HFError(f"{where}: a LLaVA folder has no {expect} module")
+        return
     kind = kind_of(hf, where)
     if kind != expect:
         raise HFError(f"{where}: holds the {kind} model {hf['model_type']!r}, not a model for the {expect} module")
@@ -103,10 +115,10 @@ def checkpoint_index(folder: str | Path) -> dict[str, Path]:
 
 
 def module_kind(module: nn.Module) -> str:
-    for kind, cls in MODULES.items():
+    for kind, cls in PARTS.items():
         if isinstance(module, cls):
             return kind
-    known = [c.__name__ for c in MODULES.values()]
+    known = [c.__name__ for c in PARTS.values()]
     raise HFError(f"{type(module).__name__} has no Hugging Face mapping; loom maps {known}")
 
 
@@ -138,9 +150,9 @@ class HFWeights:
         self.index = index = checkpoint_index(folder)
         self.blocks = weight_blocks(hf, where)  # block-quantized fp8 weights are read dequantized
         expected = expected_tensors(module)
-        prefix = detect_prefix(kind, index, where)
-        family = hf.get("model_type", "")
-        names = {n: hf_name(kind, n, prefix, family) for n in expected}
+        self.part = part = locate(kind, hf, index, where)
+        prefix, family = part.prefix, part.hf.get("model_type", "")
+        names = {n: hf_name(kind, n, prefix, family, part.head_prefix) for n in expected}
         # a router's selection bias the folder lacks (Qwen3-MoE has none; the job turned balancing on) starts at 0
         computed = {n: "a selection bias this folder's routers lack: starts at zero" for n, h in names.items()
                     if n.endswith(".gate.e_score_correction_bias") and h not in index}
@@ -152,7 +164,7 @@ class HFWeights:
         on_disk |= {h for parts in self.stacked.values() for h in parts}
         self.report = LoadReport(loaded=names, computed=computed)
         for name in index:
-            reason = skip_reason(kind, name, prefix, hf)
+            reason = skip_reason(kind, name, part, len(getattr(module, "layers", ())))
             if self.blocks and name.endswith(SCALES) and name.removesuffix(SCALES) in index:
                 reason = "fp8 block factors, applied when their weight is read"
             if reason and name not in on_disk:
@@ -195,6 +207,10 @@ class HFWeights:
             return torch.stack([self._read(h, box[1:]) for h in self.stacked[name][box[0]]])
         return self._read(self.names[name], box)
 
+    def read_stored(self, h: str) -> torch.Tensor:
+        """The folder's tensor `h` (its checkpoint name) whole, whether or not the module loads it."""
+        return self._read(h, ())
+
     def _read(self, h: str, box: tuple[slice, ...]) -> torch.Tensor:
         part = self._open(self.index[h]).get_slice(h)
         if self.blocks and h + SCALES in self.index:
@@ -233,8 +249,11 @@ def load_module(folder: str | Path, module: nn.Module, device: torch.device | st
 
 def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
                      ) -> nn.Module:
-    """The loom module of a Hugging Face folder: built on `meta`, then filled tensor by tensor on `device`."""
+    """The loom module of a Hugging Face folder: built on `meta`, then filled tensor by tensor on `device`; of a
+    whole-model folder (LLaVA), the MultimodalModel, its image placeholder the folder's image token."""
     hf = read_hf_config(folder)
+    if llava.is_whole_model(hf):
+        return _build_whole(folder, hf, device, dtype)
     cfg = config_from_hf(hf, str(folder), str(folder))
     with torch.device("meta"):
         module = MODULES[kind_of(hf, str(folder))](cfg)
@@ -244,6 +263,17 @@ def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dty
     return module
 
 
+def _build_whole(folder: str | Path, hf: dict, device, dtype) -> nn.Module:
+    lm, vision = llava.llava_configs(hf, str(folder), str(folder))
+    with torch.device("meta"):
+        model = build_model(lm, vision, None, {"vision": llava.image_token(hf)})
+    if dtype is not None:
+        model.to(dtype)
+    for module in (model.language, model.vision.encoder, model.vision.projector):
+        load_module(folder, module, device)
+    return model
+
+
 # ---------------------------------------------------------------- job configs
 
 
@@ -251,6 +281,8 @@ def resolve_pretrained_configs(m: ModelConfig) -> ModelConfig:
     """`m` with each module whose `hf` is set (the language model and the encoders in use) sized by its
     folder's config.json. Sizes written in the job config for such a module are replaced, not compared; the
     LLM's training keys (`LLMConfig.TRAINING_KEYS`: init, expert kernel, router balancing and losses) are kept."""
+    if m.hf:
+        m = _whole_model(m)
     changes = {}
     for name in ("language", *m.encoders):
         cfg = getattr(m, name, None)  # an unknown encoder name is config.check_values()'s to report
@@ -265,10 +297,23 @@ def resolve_pretrained_configs(m: ModelConfig) -> ModelConfig:
     return dataclasses.replace(m, **changes)
 
 
+def _whole_model(m: ModelConfig) -> ModelConfig:
+    """`m` with its encoders and each module's `hf` set from `model.hf`, a folder holding the whole model."""
+    hf = read_hf_config(m.hf)
+    if not llava.is_whole_model(hf):
+        raise HFError(f"model.hf = {m.hf!r}: model_type {hf.get('model_type')!r} is one module, not a whole model "
+                      f"(loom loads {llava.FAMILY!r} there); set model.language.hf or model.<encoder>.hf instead")
+    both = [f"model.{name}.hf" for name in ("language", "vision") if getattr(m, name).hf not in ("", m.hf)]
+    if both:
+        raise HFError(f"model.hf = {m.hf!r} sets every module's folder, and {both} names another: remove one")
+    return dataclasses.replace(m, encoders=["vision"], language=dataclasses.replace(m.language, hf=m.hf),
+                               vision=dataclasses.replace(m.vision, hf=m.hf))
+
+
 def with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
     """A job's [model] with each module whose `hf` folder is set sized by that folder's config.json; a folder
     that cannot be read is a ConfigError, reported before any rank builds a model."""
-    if not any(getattr(getattr(m, name, None), "hf", "") for name in ("language", *m.encoders)):
+    if not m.hf and not any(getattr(getattr(m, name, None), "hf", "") for name in ("language", *m.encoders)):
         return m
     try:
         return resolve_pretrained_configs(m)

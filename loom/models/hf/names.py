@@ -5,7 +5,9 @@ checkpoint, and which of a checkpoint's tensors are deliberately not loaded."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
+from loom.models.hf import llava
 from loom.models.hf.errors import HFError
 from loom.models.hf.mapping import llm_family
 from loom.models.hf.mixtral import RENAMES as MIXTRAL_RENAMES
@@ -15,6 +17,7 @@ _RENAMES = {
     "language": [],
     "vision": [
         (r"^(patch_embedding|position_embedding)\.", r"embeddings.\1."),
+        (r"^class_embedding$", "embeddings.class_embedding"),  # CLIP's [CLS] row
         (r"^layers\.", "encoder.layers."),
     ],
     "audio": [
@@ -23,6 +26,7 @@ _RENAMES = {
         (r"^(layers\.\d+)\.layer_norm2\.", r"\1.final_layer_norm."),
         (r"^(layers\.\d+)\.mlp\.", r"\1."),
     ],
+    "projector": [],
 }
 FAMILY_RENAMES = {"mixtral": MIXTRAL_RENAMES}
 # where the module's tensors sit in the checkpoint: tried in order, recognised by the anchor tensor
@@ -35,11 +39,29 @@ ANCHORS = {"language": "embed_tokens.weight", "vision": "embeddings.patch_embedd
 EXPORT_PREFIXES = {"language": "model.", "vision": "vision_model.", "audio": ""}  # what transformers 4 and 5 load
 
 
-def hf_name(kind: str, name: str, prefix: str, family: str = "") -> str:
+@dataclass(frozen=True)
+class Part:
+    """Where one loom module sits in a folder: its own config (a whole-model folder's sub-config), the prefix of
+    its tensors and of its LM head's, and the whole config.json when the folder holds more than this module."""
+
+    hf: dict
+    prefix: str
+    head_prefix: str = ""
+    whole: dict | None = None
+
+
+def locate(kind: str, hf: dict, names, where: str) -> Part:
+    """Where the `kind` module's tensors sit among the checkpoint's tensor `names` (config.json `hf`)."""
+    if llava.is_whole_model(hf):
+        return Part(llava.sub_config(hf, kind), *llava.part_prefix(kind, names, where), whole=hf)
+    return Part(hf, detect_prefix(kind, names, where))
+
+
+def hf_name(kind: str, name: str, prefix: str, family: str = "", head_prefix: str = "") -> str:
     """The checkpoint name of module-relative loom tensor `name`; `family`: the config's model_type, for the
-    families whose names differ from loom's (Mixtral's)."""
+    families whose names differ from loom's (Mixtral's); `head_prefix`: the LM head's (LLaVA's language_model.)."""
     if kind == "language" and name.startswith("lm_head."):
-        return name  # outside the base model in every *ForCausalLM
+        return head_prefix + name  # outside the base model in every *ForCausalLM
     for pattern, repl in _RENAMES[kind] + FAMILY_RENAMES.get(family, []):
         name = re.sub(pattern, repl, name)
     return prefix + name
@@ -64,10 +86,17 @@ def detect_prefix(kind: str, names, where: str) -> str:
     raise HFError(f"{where}: no {kind} tensors found: none of {tried} is in the checkpoint")
 
 
-def skip_reason(kind: str, name: str, prefix: str, hf: dict) -> str | None:
-    """Why the checkpoint tensor `name` is deliberately not loaded; None: it must map onto the module."""
+def skip_reason(kind: str, name: str, part: Part, layers: int = 0) -> str | None:
+    """Why the checkpoint tensor `name` is deliberately not loaded; None: it must map onto the module. `layers`: the
+    module's layer count (a LLaVA tower's: the layers after it are not read)."""
+    prefix, hf = part.prefix, part.hf
+    if part.whole is not None:
+        if llava.other_part(kind, name, prefix, part.head_prefix):
+            return "another module's: the folder holds the whole LLaVA model"
+        if kind == "vision" and (reason := llava.unread_tower_reason(name, prefix, layers)):
+            return reason
     if kind == "language":
-        if name == "lm_head.weight" and hf.get("tie_word_embeddings"):
+        if name == part.head_prefix + "lm_head.weight" and hf.get("tie_word_embeddings"):
             return "tied to embed_tokens (some tied checkpoints store it anyway)"
         if name.endswith(".rotary_emb.inv_freq"):
             return "rotary frequencies, recomputed from the config (older checkpoints saved them)"
