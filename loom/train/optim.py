@@ -115,9 +115,11 @@ def _global_step_hooks() -> bool:
 
 
 def lean_everywhere(optimizer) -> bool:
-    """Every AdamW of the job takes fused_step's own path (`_lean`): under a layout, the grad-norm's clip and
-    skip can then stay on the device too (torch's AdamW over DTensors would not take them)."""
-    return all(_lean(opt) for opt in optimizer)
+    """Every AdamW of the job takes fused_step's own path: under a layout, the grad-norm's clip and skip can then
+    stay on the device too (torch's AdamW over DTensors would not take them). The lists fused_step keeps answer
+    once they exist; `_lean`'s walk over every parameter runs only before."""
+    return all(lists.valid(opt) if (lists := getattr(opt, "_loom_fused_lists", None)) is not None else _lean(opt)
+               for opt in optimizer)
 
 
 def fused_step(opt: torch.optim.Optimizer) -> None:
@@ -189,12 +191,8 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> flo
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all gradients as one vector, over every shard and replica: DTensor gradients are grouped by
     mesh and reduced by DTensor (sharded dims summed, replicated dims counted once); plain ones are local."""
-    total = torch.zeros((), dtype=torch.float64)
-    for grads in _grads_by_mesh(params):
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total += norm.double().cpu() ** 2
-    return total.sqrt()
+    device = params[0].device if params else torch.device("cpu")
+    return _grad_norm_sq(params, device).sqrt().cpu()
 
 
 def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

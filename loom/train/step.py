@@ -172,10 +172,10 @@ def world_loss(loss: float | torch.Tensor, comms: StepComms) -> float | torch.Te
     if comms.norm_share is None:
         return loss
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces only device tensors
-    mine = loss if comms.adds_loss and isinstance(loss, torch.Tensor) else float(loss) if comms.adds_loss else 0.0
-    # torch.full, not torch.tensor: a host value copied to the GPU would wait for the device's queue
-    t = mine.detach().to(device, torch.float64) if isinstance(mine, torch.Tensor) else torch.full(
-        (), mine, dtype=torch.float64, device=device)
+    if isinstance(loss, torch.Tensor) and comms.adds_loss:
+        t = loss.detach().to(device, torch.float64)
+    else:  # torch.full, not torch.tensor: a host value copied to the GPU would wait for the device's queue
+        t = torch.full((), float(loss) if comms.adds_loss else 0.0, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t
 
