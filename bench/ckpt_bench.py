@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.mm_bench import LLM_SMALL
+from bench.shapes import LLM_SMALL
 from loom.job import load_config
 from loom.parallel.compile import compiled_frames
 from loom.train.trainer import Trainer

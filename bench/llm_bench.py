@@ -25,6 +25,7 @@ import torch
 from bench.busy import busy_report, queue_step
 from bench.flash_impl import activate
 from bench.overlap import comm_summary
+from bench.shapes import LLMS
 from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample
@@ -35,11 +36,6 @@ from loom.train.build import build_job
 from loom.train.flops import peak_matmul_tflops
 from loom.train.step_data import step_inputs
 
-QWEN3_1_7B = ["--model.language.hidden_size=2048", "--model.language.num_layers=28",
-              "--model.language.num_heads=16", "--model.language.num_kv_heads=8", "--model.language.head_dim=128",
-              "--model.language.intermediate_size=6144", "--model.language.vocab_size=151936",
-              "--model.language.qk_norm=true", "--model.language.rope_theta=1000000.0",
-              "--model.language.tie_embeddings=true"]
 SMALL = ["--model.language.hidden_size=64", "--model.language.num_layers=2", "--model.language.num_heads=4",
          "--model.language.num_kv_heads=2", "--model.language.intermediate_size=128",
          "--model.language.vocab_size=512", "--model.language.qk_norm=true"]
@@ -62,6 +58,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step (a multiple of --seq)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--llm", choices=tuple(LLMS), default="qwen3-1.7b", help="the LLM's shape (bench/shapes.py)")
     p.add_argument("--small", action="store_true")
     p.add_argument("--profile", default="", help="write a torch profiler summary of the measured steps here")
     p.add_argument("--comm-report", action="store_true",
@@ -85,7 +82,7 @@ def main() -> None:
     gpu = device.type == "cuda"
     per_step = args.tokens // args.seq
     total = args.warmup + args.steps
-    cfg = load_config(None, (SMALL if args.small else QWEN3_1_7B) + TEXT_ONLY + [
+    cfg = load_config(None, (SMALL if args.small else LLMS[args.llm]) + TEXT_ONLY + [
         f"--train.dtype={'bf16' if gpu else 'fp32'}", f"--train.device={device.type}",
         f"--train.global_batch_size={per_step}", f"--data.tokens_per_microbatch={args.tokens}",
         f"--data.train_size={max(per_step, 64)}"] + [f"--{kv}" for kv in args.set])
@@ -127,7 +124,7 @@ def main() -> None:
     flops = job.flops.step([args.seq] * per_step, {})
     tflops = flops / step_s / 1e12
     print(json.dumps({
-        "bench": "llm", "model": "small" if args.small else "qwen3-1.7b", "seq": args.seq,
+        "bench": "llm", "model": "small" if args.small else args.llm, "seq": args.seq,
         "tokens_per_step": args.tokens,
         "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
         "commit": os.environ.get("LOOM_COMMIT", ""), "overrides": args.set, "flash_impl": args.flash_impl,

@@ -119,7 +119,7 @@ def train(cfg, workers: int, steps: int) -> dict:
 
     import torch
 
-    from bench.mm_bench import AUDIO, LLM, VIT
+    from bench.shapes import AUDIO, LLM, VIT
     from loom.job import load_config as load
     from loom.train.trainer import Trainer
 

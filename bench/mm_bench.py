@@ -32,34 +32,14 @@ import torch.distributed as dist
 
 from bench.flops import flops_of, peak_matmul_tflops  # noqa: F401 (flops_of: tests/test_bench.py reads it here)
 from bench.overlap import comm_summary
+from bench.shapes import AUDIO, LLMS, VIT
 from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile, write_timeline
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.job import load_config
 from loom.distributed import init_distributed, shutdown
 from loom.parallel.compile import compiled_frames
 
-LLM = ["--model.language.hidden_size=1536", "--model.language.num_layers=28", "--model.language.num_heads=12",
-       "--model.language.num_kv_heads=2", "--model.language.intermediate_size=8960",
-       "--model.language.vocab_size=151936", "--model.language.attention_bias=true",
-       "--model.language.rope_theta=1000000.0"]
-# an encoder-heavy pairing: a Qwen2.5-0.5B-shaped LLM after the same ViT (its matmuls about the ViT's size)
-LLM_SMALL = ["--model.language.hidden_size=896", "--model.language.num_layers=24", "--model.language.num_heads=14",
-             "--model.language.num_kv_heads=2", "--model.language.intermediate_size=4864",
-             "--model.language.vocab_size=151936", "--model.language.attention_bias=true",
-             "--model.language.rope_theta=1000000.0"]
-# a Qwen3-MoE-shaped LLM that fits one H200 with the ViT: 24 layers of width 2048 (16 heads of 128, 4 K/V heads,
-# QK-norm), 16 experts of width 1408, 2 per token, in every layer: 0.98B active matmul parameters (the LM head's
-# 0.31B among them), 3.9B in all (4.3B with the ViT and audio encoder)
-LLM_MOE = ["--model.language.hidden_size=2048", "--model.language.num_layers=24", "--model.language.num_heads=16",
-           "--model.language.num_kv_heads=4", "--model.language.intermediate_size=5632",
-           "--model.language.qk_norm=true", "--model.language.num_experts=16",
-           "--model.language.num_experts_per_tok=2", "--model.language.moe_intermediate_size=1408",
-           "--model.language.vocab_size=151936", "--model.language.rope_theta=1000000.0"]
 SMALL_MOE = ["--model.language.num_experts=8", "--model.language.moe_intermediate_size=32"]
-VIT = ["--model.vision.hidden_size=1152", "--model.vision.num_layers=27", "--model.vision.num_heads=16",
-       "--model.vision.intermediate_size=4304", "--model.vision.patch_size=14", "--model.vision.position_grid=27"]
-AUDIO = ["--model.audio.num_features=80", "--model.audio.hidden_size=384", "--model.audio.num_layers=4",
-         "--model.audio.num_heads=6", "--model.audio.intermediate_size=1536"]
 SMALL_MODEL = ["--model.vision.patch_size=4", "--model.audio.num_features=16"]
 SAMPLES_PER_4K = 3  # samples per GPU per step for each 4096 tokens of --seq
 
@@ -90,8 +70,9 @@ def main() -> None:
                         "to each step's longest (shapes change), or fixed to --seq tokens")
     p.add_argument("--adam", choices=("auto", "foreach"), default="auto",
                    help="foreach: the multi-kernel AdamW instead of the fused one loom picks on GPU (A/B)")
-    p.add_argument("--llm", choices=("1.5b", "0.5b", "moe"), default="1.5b",
-                   help="the LLM's shape (0.5b: encoder-heavy; moe: Qwen3-MoE-shaped, 16 experts, 2 active)")
+    p.add_argument("--llm", choices=tuple(LLMS), default="1.5b",
+                   help="the LLM's shape (bench/shapes.py; 0.5b: encoder-heavy; moe: 16 experts, 2 active; moe128: "
+                        "Qwen3-30B-A3B's layer, 128 experts, 8 active)")
     p.add_argument("--images", type=int, default=1, help="images per sample")
     p.add_argument("--per-gpu", type=int, default=0, help="samples per GPU per step (0: 3 per 4096 of --seq)")
     p.add_argument("--steps", type=int, default=8)
@@ -119,9 +100,9 @@ def main() -> None:
     per_gpu = args.per_gpu or max(1, SAMPLES_PER_4K * args.seq // 4096)
     workload = PackedSteps(shape, world, per_gpu, args.seq)
     if args.small:
-        sizes = SMALL_MODEL + (SMALL_MOE if args.llm == "moe" else [])
+        sizes = SMALL_MODEL + (SMALL_MOE if args.llm.startswith("moe") else [])
     else:
-        sizes = {"1.5b": LLM, "0.5b": LLM_SMALL, "moe": LLM_MOE}[args.llm] + VIT + AUDIO
+        sizes = LLMS[args.llm] + VIT + AUDIO
     cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
         *padded_overrides(args, shape),

@@ -31,7 +31,7 @@ WARMUP = 2
 
 def mm_config_overrides(world: int, per_gpu: int) -> list[str]:
     """mm_bench.py's config for `--llm 1.5b` on GPUs (its LLM, VIT, AUDIO sizes; bf16; its global batch)."""
-    from bench.mm_bench import AUDIO, LLM, VIT
+    from bench.shapes import AUDIO, LLM, VIT
 
     return [*LLM, *VIT, *AUDIO, "--data.format=thd", "--train.dtype=bf16",
             f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000"]

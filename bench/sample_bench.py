@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench.mm_bench import LLM
+from bench.shapes import LLM
 from loom.data.sample import Sample
 from loom.job import load_config
 from loom.models.hf.export import export_module

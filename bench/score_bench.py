@@ -20,7 +20,8 @@ import time
 import torch
 
 import loom.rl.score as score
-from bench.llm_bench import QWEN3_1_7B, SMALL, TEXT_ONLY, documents
+from bench.llm_bench import SMALL, TEXT_ONLY, documents
+from bench.shapes import QWEN3_1_7B
 from loom.distributed import init_distributed, shutdown
 from loom.job import load_config
 from loom.train.build import build_job

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 import loom
 
-from bench.mm_bench import AUDIO, LLM, SMALL_MODEL, VIT
+from bench.mm_bench import SMALL_MODEL
+from bench.shapes import AUDIO, LLM, VIT
 from loom.distributed import init_distributed, shutdown
 from loom.job import load_config
 from loom.train.build import build_job
