@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom.models.row_moves import take_rows
+
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "grouped_mm", None)
 KERNELS = ("auto", "loop", "grouped")
 ROW_BYTES = 16  # a grouped GEMM's row-major operands need strides and group starts in multiples of 16 bytes
@@ -44,7 +46,7 @@ class Experts(nn.Module):
         w = (gate, up, down)
         if not self.use_grouped(x):
             return self._loop(x, counts, w)
-        return self._grouped(x.to(_compute_dtype(x)), counts, w)
+        return self._grouped(x.to(compute_dtype(x)), counts, w)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.kernel == "loop" or grouped_mm is None:
@@ -52,7 +54,7 @@ class Experts(nn.Module):
         if self.kernel == "grouped":
             return True
         # auto: the GPU's kernel where its layout rules hold (bf16, 16-byte rows); the loop elsewhere
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         aligned = all(n * dtype.itemsize % 16 == 0 for n in self.gate_proj.shape[1:])
         return x.is_cuda and dtype == torch.bfloat16 and aligned
 
@@ -83,7 +85,7 @@ class Experts(nn.Module):
         # FSDP2's mixed precision hands bf16 weights (`to` returns them, no copy); autocast's fp32 ones cast here
         gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)
         h = F.silu(grouped_mm(x, gate, offs=offsets)) * grouped_mm(x, up, offs=offsets)
-        return grouped_mm(h, down, offs=offsets).index_select(0, dest)
+        return take_rows(grouped_mm(h, down, offs=offsets), dest)
 
 
 def padded_groups(n: int, counts: torch.Tensor, multiple: int) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -102,7 +104,7 @@ def padded_groups(n: int, counts: torch.Tensor, multiple: int) -> tuple[int, tor
     return rows, dest, torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """What the matmuls run in: autocast's dtype when it is on (one process in bf16: the stream stays fp32),
     else x's (FSDP's mixed precision hands bf16 tokens)."""
     if torch.is_autocast_enabled(x.device.type):

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from loom.models.experts import Experts
 from loom.models.moe import MoEBlock
+from loom.models.row_moves import take_rows
 from loom.topology import Grid, Topology
 
 EP_GROUPS = "experts: one copy of all experts (ep)"
@@ -103,7 +104,7 @@ def _dispatch_compute_combine(experts: Experts, group: dist.ProcessGroup, ep: in
     key = torch.arange(local, device=counts.device) * ep + torch.arange(ep, device=counts.device)[:, None]
     # output_size from the host's counts: without it repeat_interleave reads its total back (a second sync)
     order = torch.repeat_interleave(key.flatten(), received.flatten(), output_size=sum(recv)).argsort(stable=True)
-    y = experts.compute(arrived[order], received.view(ep, local).sum(0),
+    y = experts.compute(take_rows(arrived, order), received.view(ep, local).sum(0),
                         *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)))
     back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return funcol.all_to_all_single_autograd(y[back], send, recv, group)
+    return funcol.all_to_all_single_autograd(take_rows(y, back), send, recv, group)
