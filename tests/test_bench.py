@@ -41,6 +41,17 @@ def test_loader_bench_small_writes_its_files_and_measures_every_worker_count(tmp
     assert len(list(tmp_path.glob("media/*.jpg"))) == 16 and len(list(tmp_path.glob("media/*.wav"))) == 4
 
 
+def test_checkpoint_throughput_small_saves_and_loads_both_ways(tmp_path):
+    """bench/ckpt_throughput.py --small: a sync and an async save of one checkpoint, each loaded back, then dd."""
+    cmd = [sys.executable, "bench/ckpt_throughput.py", "--out", str(tmp_path), "--small"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r.get("async_save") for r in rows] == [False, True, None] and rows[0]["gib"] == rows[1]["gib"] > 0
+    assert all(r["load_s"] > 0 for r in rows[:2]) and rows[2]["dd_write_gib_per_s"] > 0
+
+
 def test_encoder_sp_bench_small_runs_both_rows_on_two_cpu_ranks():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "bench/encoder_sp.py",
            "--small", "--images", "3", "--side", "16", "--steps", "1"]

@@ -31,32 +31,38 @@ def _run(e: Experts, forward, x: torch.Tensor, counts: torch.Tensor, g: torch.Te
     return [y.detach(), x.grad, *(p.grad.clone() for p in e.parameters())]
 
 
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the CPU rows stand for it in CI")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded-control"])
-def test_inductor_grouped_experts_without_tokens_equal_eager(monkeypatch, pad):
+def test_inductor_grouped_experts_without_tokens_equal_eager(monkeypatch, pad, device):
     """bf16 grouped experts under inductor: no row at all (an EP rank that received nothing), then rows for
     experts 0 and 3 only (1 and 2 idle). Padded: output, input and weight gradients equal eager's; unpadded: the
-    compiled backward fails with the GPU's error, so this test does reach the crash."""
+    compiled backward fails with the GPU's error, so this test does reach the crash. On a GPU (bench machine:
+    `pytest tests/test_compiled_ep.py -k cuda`) the same with CUDA's grouped GEMM."""
     if not pad:
         monkeypatch.setattr(experts_module, "padded_groups",
-                            lambda n, counts, multiple: (n, torch.arange(n), counts.cumsum(0).to(torch.int32)))
+                            lambda n, counts, multiple: (n, torch.arange(n, device=counts.device),
+                                                         counts.cumsum(0).to(torch.int32)))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    e = Experts(4, 16, 8, kernel="grouped").to(torch.bfloat16)
+    e = Experts(4, 16, 8, kernel="grouped").to(device, torch.bfloat16)
     with torch.no_grad():
         for p in e.parameters():
             p.normal_(0, 0.3)
     compiled = torch.compile(e.forward, backend="inductor")
     for counts in ([0, 0, 0, 0], [3, 0, 0, 2], [9, 0, 0, 0]):
         n = sum(counts)
-        x, g = torch.randn(n, 16, dtype=torch.bfloat16), torch.randn(n, 16, dtype=torch.bfloat16)
-        counts = torch.tensor(counts)
+        x, g = (torch.randn(n, 16, dtype=torch.bfloat16, device=device) for _ in range(2))
+        counts = torch.tensor(counts, device=device)
         if not pad and n == 0:
             with pytest.raises(RuntimeError, match=r"Invalid strides/sizes.*\[8, 0\] for sizes"):
                 _run(e, compiled, x, counts, g)
             return
         want, got = _run(e, e.forward, x, counts, g), _run(e, compiled, x, counts, g)
-        for a, b in zip(want, got):
-            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)  # inductor fuses silu·up at another precision
+        for a, b in zip(want, got):  # inductor fuses silu·up at another precision: bf16 rounding apart
+            assert (b.float() - a.float()).norm() <= 1e-2 * a.float().norm(), (a, b)
         assert n == 0 or got[3][1:3].abs().max() == 0 < got[3][0].abs().max()  # idle experts: zero gradient
 
 

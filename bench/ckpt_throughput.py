@@ -1,0 +1,110 @@
+"""Checkpoint throughput per rank (issue 50, target 6): the 2B job's sharded checkpoint written and read, sync
+and async, against the disk's own rate (`dd` of as many bytes, written with fsync and read back with the page
+cache dropped where the machine lets us).
+
+Threads: torch's HuggingFaceStorageWriter/Reader take a `thread_count`, but they share work out by file, and a
+rank's shards are one file: 1 and 8 threads wrote 0.30 and 0.33 GiB/s here (H200 machine, 2026-11-27), so loom
+does not set it, and this bench no longer asks.
+
+    PYTHONPATH=. python bench/ckpt_throughput.py --out /tmp/ckpt          # one GPU, the 2B job
+    PYTHONPATH=. python bench/ckpt_throughput.py --out /tmp/ckpt --small  # the CPU form
+
+One JSON line per mode: GiB, seconds until the call returns, seconds until the bytes are on
+disk (`os.sync`), seconds to load, and GiB/s of each; then one line for dd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from bench.shapes import AUDIO, LLM, VIT
+from loom.checkpoint.sharded import begin_save, load_sharded
+from loom.job import load_config
+from loom.train.trainer import Trainer
+
+SMALL = ["--model.language.hidden_size=64", "--model.language.num_layers=2", "--model.language.num_heads=4",
+         "--model.language.num_kv_heads=2", "--model.language.intermediate_size=128"]
+
+
+def _drop_caches() -> bool:
+    """The page cache emptied (root on Linux), so a read comes from the disk; False where not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _gib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
+
+
+def save_and_load(trainer: Trainer, out: Path, run_async: bool) -> dict:
+    path = out / ("async" if run_async else "sync")
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    pending = begin_save(path, trainer.model, trainer.optimizer, trainer.weight_aliases, trainer.step, {},
+                         trainer.save_group, run_async)
+    returned = time.perf_counter() - t0
+    pending.finish()
+    written = time.perf_counter() - t0
+    os.sync()
+    durable = time.perf_counter() - t0
+    gib = _gib(path)
+    dropped = _drop_caches()
+    t0 = time.perf_counter()
+    load_sharded(path, trainer.model, trainer.optimizer, trainer.weight_aliases)
+    loaded = time.perf_counter() - t0
+    shutil.rmtree(path, ignore_errors=True)
+    return {"bench": "ckpt_throughput", "async_save": run_async, "gib": round(gib, 3),
+            "returned_s": round(returned, 3), "written_s": round(written, 3), "durable_s": round(durable, 3),
+            "write_gib_per_s": round(gib / durable, 3), "load_s": round(loaded, 3),
+            "read_gib_per_s": round(gib / loaded, 3), "page_cache_dropped": dropped}
+
+
+def dd_rate(out: Path, gib: float) -> dict:
+    """The disk's own rate for as many bytes: one writer with fsync, one reader after the cache is dropped."""
+    f, count = out / "dd.bin", max(1, round(gib * 16))  # blocks of 64 MiB
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={count}", "conv=fsync"], check=True,
+                   capture_output=True)
+    write = time.perf_counter() - t0
+    dropped = _drop_caches()
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=64M"], check=True, capture_output=True)
+    read = time.perf_counter() - t0
+    f.unlink()
+    return {"bench": "ckpt_throughput", "dd_gib": count / 16, "dd_write_gib_per_s": round(count / 16 / write, 3),
+            "dd_read_gib_per_s": round(count / 16 / read, 3), "page_cache_dropped": dropped}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--small", action="store_true")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.is_available()
+    cfg = load_config(None, (SMALL if args.small else LLM + VIT + AUDIO) + [
+        f"--run.out_dir={out / 'run'}", "--run.tensorboard=false", "--run.progress=false", "--train.steps=1",
+        f"--train.dtype={'bf16' if gpu else 'fp32'}", "--train.global_batch_size=4"])
+    trainer = Trainer(cfg)
+    trainer.train_step()  # the optimizer's moments exist: a checkpoint of its full size
+    for run_async in (False, True):
+        row = save_and_load(trainer, out, run_async)
+        print(json.dumps({**row, "device": torch.cuda.get_device_name() if gpu else "cpu"}), flush=True)
+    print(json.dumps(dd_rate(out, row["gib"])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
