@@ -106,7 +106,8 @@ def test_cpu_command_runs_as_written(block: Block, tmp_path):
            "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    said = f"{block.name}: ```{block.info}\n{block.text}```\nstdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
+    said = (f"{block.name}: ```{block.info}\n{block.text}```\n"
+            f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}")
     assert run.returncode == block.exit_code, f"exit {run.returncode}, expected {block.exit_code}\n" + said
     if block.output is not None:
         assert _normalise(run.stdout) == _normalise(block.output), "the page shows another output\n" + said
