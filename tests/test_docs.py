@@ -3,17 +3,19 @@ output a page shows for it is the output it prints, every relative link points a
 exist, and docs/config.md is what loom/config_reference.py writes from the config dataclasses.
 
 The marker is the fence's info string: a block opened with ```` ```bash cpu ```` runs (in bash, `set -euo
-pipefail`) from a fresh folder that holds links to the repository's configs/, examples/ and loom/, with `loom`
-on PATH running this tree; ```` ```bash cpu exit=2 ```` expects that exit code instead of 0. A block opened
-with ```` ```text output ```` right after it (only blank lines between) is compared line by line with what the
-command printed, trailing spaces dropped, at a terminal width of 120 columns. Any other block is shown, not
-run: mark only commands that take seconds on two CPU cores (CI runs them all in a few minutes).
+pipefail`) from a fresh folder that holds copies of the repository's configs/ and examples/ and a link to loom/,
+with `loom` on PATH running this tree; ```` ```bash cpu exit=2 ```` expects that exit code instead of 0. A block
+opened with ```` ```text output ```` right after it (only blank lines between) is compared line by line with what
+the command printed (its stdout, then its stderr), trailing spaces dropped, at a terminal width of 120 columns.
+Any other block is shown, not run: mark only commands that take seconds on two CPU cores (CI runs them all in a
+few minutes).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -94,8 +96,9 @@ def _normalise(text: str) -> list[str]:
 
 @pytest.mark.parametrize("block", runnable_blocks(), ids=lambda b: b.name)
 def test_cpu_command_runs_as_written(block: Block, tmp_path):
-    for name in ("configs", "examples", "loom"):
-        (tmp_path / name).symlink_to(ROOT / name)
+    for name in ("configs", "examples"):  # copies: a config's ../runs must land in tmp_path, not in the repository
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "loom").symlink_to(ROOT / "loom")  # loom/default.toml
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
     (bin_dir / "loom").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m loom "$@"\n')
@@ -110,7 +113,7 @@ def test_cpu_command_runs_as_written(block: Block, tmp_path):
             f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}")
     assert run.returncode == block.exit_code, f"exit {run.returncode}, expected {block.exit_code}\n" + said
     if block.output is not None:
-        assert _normalise(run.stdout) == _normalise(block.output), "the page shows another output\n" + said
+        assert _normalise(run.stdout + run.stderr) == _normalise(block.output), "the page shows another output\n" + said
 
 
 def test_every_page_marks_its_blocks_consistently():
