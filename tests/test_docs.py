@@ -186,3 +186,13 @@ def test_config_reference_reads_comments_above_and_beside(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("cfgmod", None)
+
+
+def test_readme_stays_a_front_page():
+    """README.md is the front page (issue 52): what loom is, the two commands, a layout, what works, the current
+    figures, where to go next; a feature's detail belongs in its guide under docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move the detail into a guide under docs/"
+    test_command = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest tests'
+    assert test_command in lines, ".ci/run runs README's test command verbatim: keep it on a line of its own"
+    assert test_command in (ROOT / ".ci" / "run").read_text()
