@@ -196,3 +196,27 @@ def test_readme_stays_a_front_page():
     test_command = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest tests'
     assert test_command in lines, ".ci/run runs README's test command verbatim: keep it on a line of its own"
     assert test_command in (ROOT / ".ci" / "run").read_text()
+
+
+def _section(text: str, heading: str) -> str:
+    """The lines under `## heading` up to the next `## `."""
+    out, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("## "):
+            inside = line[3:].strip() == heading
+        elif inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def test_readme_figures_come_from_the_results_table():
+    """Every figure and date in README's "Current figures" stands in bench/RESULTS.md's opening table, where each
+    has its device, command and section: README invents none and drops none's provenance."""
+    readme = _section((ROOT / "README.md").read_text(), "Current figures")
+    results = _section((ROOT / "bench" / "RESULTS.md").read_text(), "Current figures")
+    assert readme.count("\n| ") >= 3 and results.count("\n| ") >= 3, "a Current figures table is missing"
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+    token = re.compile(r"\d[\d,.]*(?:×|%)|\d{1,3}(?:,\d{3})+|20\d\d-\d\d-\d\d")
+    missing = [f"{t} ({row.split('|')[1].strip()})" for row in rows for t in token.findall(row)
+               if t not in results]
+    assert not missing, "README figures not in bench/RESULTS.md's Current figures: " + "; ".join(missing)
