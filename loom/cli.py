@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     verify.add_argument("--tolerance", type=float, default=None,
                         help="one max relative difference for every quantity (default: per quantity and dtype, "
-                             "see README)")
+                             "see docs/verify.md)")
     verify.add_argument("--against", default="layout", choices=["layout", "compile", "bf16"],
                         help="layout (default): the config's layout on N ranks; on one process: the model "
                              "compiled, or in bf16, against the eager fp32 reference")

@@ -30,8 +30,8 @@ from loom.typed_config import (
 class SourceConfig:
     """[[data.sources]]: one JSONL file of conversations and its share of the mixture."""
 
-    path: str = ""
-    weight: float = 1.0
+    path: str = ""  # a JSONL file, a parquet file or a `datasets` folder; in a config, relative to its folder
+    weight: float = 1.0  # > 0: the source's share of the mixture is its weight over the sum of the weights
 
 
 @dataclass
@@ -56,7 +56,7 @@ class DataConfig:
     # train.compile: rows of one call of an encoder's layers, e.g. {vision = 2048}; fixed, so they never recompile
     # (not listed: T per LLM microbatch served, always enough; a call with more rows compiles again)
     encoder_rows_per_microbatch: dict = field(default_factory=dict)
-    seed: int = 0
+    seed: int = 0  # the built-in tasks' examples and every job's sample order, a function of (seed, step)
     # processes preparing the coming steps (samples, plan, this rank's media decoded) while one trains; 0: in step
     workers: int = 2
     prefetch_steps: int = 2  # steps each worker holds ready
@@ -97,21 +97,21 @@ class DPOConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 600
-    global_batch_size: int = 32
+    steps: int = 600  # optimizer steps
+    global_batch_size: int = 32  # sequences per optimizer step over every replica (a DPO pair is two)
     microbatches: int = 1  # M per data-parallel replica per step (gradient accumulation)
-    lr: float = 2e-3
+    lr: float = 2e-3  # the peak learning rate, reached after warmup
     min_lr_ratio: float = 0.1  # cosine decays to lr·min_lr_ratio
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
+    warmup_steps: int = 30  # lr rises linearly over these steps, then follows the cosine
+    weight_decay: float = 0.01  # AdamW's, on matrices only (norms, biases and gains are not decayed)
+    beta1: float = 0.9  # AdamW's β1
+    beta2: float = 0.95  # AdamW's β2
     eps: float = 1e-8  # AdamW's ε: larger damps the steps of weights whose gradients are mostly noise (RL)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     dtype: str = choice("fp32", "fp32", "bf16")  # bf16: autocast compute, fp32 master weights
-    device: str = choice("auto", "auto", "cpu", "cuda")
-    seed: int = 0
-    log_every: int = 10
+    device: str = choice("auto", "auto", "cpu", "cuda")  # auto: the LOCAL_RANK's GPU when CUDA is present, else CPU
+    seed: int = 0  # initial weights, drawn per parameter name: the same under every layout
+    log_every: int = 10  # steps (loom rl: iterations) between status lines when no progress bar shows
     eval_every: int = 0  # 0: evaluate on the held-out split once, at the end
     eval_max_new_tokens: int = 64  # exact match generates at most this many tokens (up to the longest answer)
     compile: bool = False  # torch.compile each transformer block (fuses norms, activations, rotary)
@@ -143,10 +143,10 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    out_dir: str = "runs/default"
-    tensorboard: bool = True
+    out_dir: str = "runs/default"  # checkpoints, metrics.jsonl, tensorboard/; relative to the current directory
+    tensorboard: bool = True  # event files under out_dir/tensorboard
     wandb: bool = False  # Weights & Biases next to TensorBoard (pip install 'loom[wandb]')
-    wandb_project: str = "loom"
+    wandb_project: str = "loom"  # the Weights & Biases project the run is logged to
     wandb_mode: str = choice("online", "online", "offline")  # offline: written under out_dir/wandb, synced later
     progress: bool = True  # live progress bar; plain log lines when false or not a terminal
     save_every: int = 0  # 0: save a checkpoint only at the end
@@ -160,10 +160,10 @@ class RunConfig:
 class ModuleLayoutConfig:
     """[layout.<module>]: how one module is split. dp = 0 derives it: len(ranks) / (tp·cp·pp)."""
 
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 0
+    tp: int = 1  # tensor parallel: heads, MLP width and vocabulary split over tp ranks
+    cp: int = 1  # context parallel (the LLM only): each sample cut into 2·cp chunks over cp ranks
+    pp: int = 1  # pipeline stages (an encoder only on ranks of its own)
+    dp: int = 0  # data-parallel replicas, each sharded by FSDP2; 0: len(ranks) / (tp·cp·pp)
     # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for the LLM the whole world
     ranks: str | int = ""
     sequence_parallel: bool = False  # shard the residual stream's tokens (an encoder's packed rows) over tp
@@ -211,7 +211,7 @@ class RLConfig:
     """[rl]: `loom rl`'s loop — sample G completions per prompt from the policy, reward them, score them, then K
     GRPO steps over the rollouts (train.objective = "grpo", [train.grpo]), stream the weights to the sampler."""
 
-    iterations: int = 20
+    iterations: int = 20  # rounds of sample, reward, train
     init: str = ""  # a loom checkpoint (step-N) whose weights the policy starts from (an SFT run's, say)
     # a JSONL of prompts (messages without the final assistant turn, plus the fields the reward reads); empty:
     # the job's training samples, each cut before its answer
@@ -219,9 +219,9 @@ class RLConfig:
     prompts_per_iteration: int = 16  # drawn in a seeded order
     group_size: int = 4  # G completions per prompt
     steps_per_iteration: int = 1  # K optimizer steps over the rollouts (train.global_batch_size each)
-    max_new_tokens: int = 16
+    max_new_tokens: int = 16  # a completion's most tokens
     temperature: float = 1.0  # the sampler's (train.grpo.temperature must match)
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability (1: all)
     # "package.module:function" called with (prompt record, completion text) → float; empty: exact match of the
     # built-in tasks' (or a line's final assistant turn's) answer
     reward: str = ""

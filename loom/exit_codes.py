@@ -1,4 +1,4 @@
-"""The exit codes of `loom` (README lists them): a script or scheduler can tell a bad config from bad data
+"""The exit codes of `loom` (docs/errors.md lists them): a script or scheduler can tell a bad config from bad data
 from a stalled collective without reading the message."""
 
 OK = 0

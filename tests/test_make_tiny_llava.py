@@ -1,4 +1,4 @@
-"""examples/make_tiny_llava.py and examples/llava.toml, README's "Fine-tune a released model": the folder it writes
+"""examples/make_tiny_llava.py and examples/llava.toml, docs/hf.md's "Fine-tune a released model": the folder it writes
 is a LLaVA folder transformers loads with loom's logits, and the config trains on it under its layout (the tower
 fanning in to the LLM at tp2) and exports a folder transformers loads again."""
 

@@ -147,7 +147,7 @@ def test_transformers_loads_the_folders_with_loom_s_outputs(out):
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory) -> Path:
-    """README's example as a user makes it (`python examples/make_tiny_vlm.py runs/tiny_vlm`), but for 6 held-out
+    """docs/data.md's example as a user makes it (`python examples/make_tiny_vlm.py runs/tiny_vlm`), but for 6 held-out
     conversations instead of 120: the same first 6 (item i is example i // 3 of task i % 3), and the tokenizer,
     the weights and train.jsonl do not depend on --heldout, so no training step changes."""
     root = tmp_path_factory.mktemp("example")
@@ -156,9 +156,9 @@ def example(tmp_path_factory) -> Path:
 
 
 def test_examples_jsonl_toml_trains_on_the_folders_under_its_layout(example, tmp_path, capsys):
-    """CI's short form of `loom train examples/jsonl.toml` (README's: the run's first steps, on the example's own
-    folders): its 4-rank heterogeneous layout, the held-out evaluation per task (the lines' "task"), the
-    launcher's generation on the checkpoint, and the loss at the last step inside README's band."""
+    """CI's short form of `loom train examples/jsonl.toml` (docs/training.md's: the run's first steps, on the
+    example's own folders): its 4-rank heterogeneous layout, the held-out evaluation per task (the lines' "task"), the
+    launcher's generation on the checkpoint, and the loss at the last step inside the docs' band."""
     import loom.cli
 
     steps, low, high = short_form_band("loom train examples/jsonl.toml")
@@ -174,7 +174,7 @@ def test_examples_jsonl_toml_trains_on_the_folders_under_its_layout(example, tmp
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
-    assert low <= train[-1]["loss"] <= high, f"loss at step {steps}: {train[-1]['loss']:.4f}, README: {low}–{high}"
+    assert low <= train[-1]["loss"] <= high, f"loss at step {steps}: {train[-1]['loss']:.4f}, docs: {low}–{high}"
     heldout = [r for r in records if r["kind"] == "heldout"]
     assert len(heldout) == 1 and {"token_accuracy/digits", "token_accuracy/tones"} <= heldout[0].keys()
     printed = capsys.readouterr().out

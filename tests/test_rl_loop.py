@@ -98,7 +98,7 @@ def test_two_iterations_train_and_a_resume_continues_bit_for_bit(tmp_path):
 
 
 def test_the_loop_resumes_an_sft_run_with_its_optimizer(tmp_path):
-    """README's route from SFT to GRPO: `--run.resume=` an SFT checkpoint carries AdamW's moments and step count
+    """docs/rl.md's route from SFT to GRPO: `--run.resume=` an SFT checkpoint carries AdamW's moments and step count
     (a fresh optimizer's first steps cost the first GRPO runs points at once: bench/RESULTS.md, rounds 3–4)."""
     from loom.train.trainer import Trainer
 

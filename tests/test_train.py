@@ -461,9 +461,9 @@ def test_module_lr_scale_and_freeze(tmp_path):
 
 
 def test_default_job_runs_on_four_local_ranks(tmp_path, capsys):
-    """`loom train` with no CONFIG starts 4 ranks itself and trains the heterogeneous default layout: README's
+    """`loom train` with no CONFIG starts 4 ranks itself and trains the heterogeneous default layout: the guides'
     short form of it (its first steps; held-out size and generated tokens change no training step), whose loss
-    at the last step lands in the band README states."""
+    at the last step lands in the band docs/training.md states."""
     steps, low, high = short_form_band("loom train")
     out = tmp_path / "run"
     code = loom.cli.main(["train", f"--train.steps={steps}", "--data.heldout_size=3", f"--run.out_dir={out}",
@@ -472,7 +472,7 @@ def test_default_job_runs_on_four_local_ranks(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
-    assert low <= train[-1]["loss"] <= high, f"loss at step {steps}: {train[-1]['loss']:.4f}, README: {low}–{high}"
+    assert low <= train[-1]["loss"] <= high, f"loss at step {steps}: {train[-1]['loss']:.4f}, docs: {low}–{high}"
     heldout = [r for r in records if r["kind"] == "heldout"]  # under the layout, on every rank: no generation
     assert len(heldout) == 1 and "token_accuracy" in heldout[0] and "exact_match" not in heldout[0]
     assert (out / "latest").read_text().strip() == f"step-{steps}"
