@@ -21,6 +21,7 @@ from loom.data.conversations import BadSample, Conversation
 from loom.data.format import TokenCounter, to_sample
 from loom.data.images import ImageRule, PreprocessorConfigError
 from loom.data.sample import Sample, SamplePair, decoded, sequences_of
+from loom.data.shapes import SampleShape, shape_of
 from loom.data.source import (
     BadSamples,
     ChatRules,
@@ -89,13 +90,17 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
     bad = BadSamples()
     weights = [s.weight for s in d.sources]
     rules = ChatRules(tok, media_rules(cfg), d.train_on)
-    check = prescan(cfg, rules, counters, multiple, rollouts)
-    files = checked([conversation_source(s.path) for s in d.sources], d.on_bad_sample, bad, check)
+    check, measured = prescan(cfg, rules, counters, multiple, rollouts), {}
+
+    def measure(conv: Conversation, source: str) -> None:  # every line's shape, so a step renders only its share
+        measured[conv.where] = check(conv, source)
+
+    files = checked([conversation_source(s.path) for s in d.sources], d.on_bad_sample, bad, measure)
     if d.heldout:
         held = checked([conversation_source(d.heldout)], d.on_bad_sample, bad, check)
     else:
         files, held = split_off(files, weights, d.heldout_size)
-    train = ConversationSamples.mixture(files, weights, rules, counters)
+    train = ConversationSamples.mixture(files, weights, rules, counters, measured)
     per_item = cfg.train.sequences_per_item
     if cfg.train.global_batch_size > per_item * len(train):
         raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds the {len(train)} "
@@ -105,15 +110,16 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
 
 
 def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter], multiple: int | None,
-            rollouts: bool = False) -> Callable[[Conversation, str], object]:
+            rollouts: bool = False) -> Callable[[Conversation, str], tuple[SampleShape, ...]]:
     """What the prescan asks of every line beyond its own format: everything the tokenizer and the model's config
     can judge — a media item for an encoder the model lacks, a media header that does not read, the chat template
     refusing it, a placeholder typed into the text, a clip longer than the audio encoder's positions, a sample
-    over the token budget. Only pixels and samples are left to decode time."""
+    over the token budget. Only pixels and samples are left to decode time. Returns the line's shapes (one per
+    sequence), what planning a step needs of it."""
     most = cfg.model.audio.max_positions
     seen: dict[str, tuple[bool, str]] = {}  # an optional RL value → (given, where) on the first line checked
 
-    def check(conv: Conversation, source: str) -> None:
+    def check(conv: Conversation, source: str) -> tuple[SampleShape, ...]:
         # `rollouts`: the steps train on `loom rl`'s own samples; the lines are prompts and held-out data
         if cfg.train.objective == "grpo" and not rollouts and "advantage" not in conv.rl:
             raise BadSample(f"{conv.where}: no \"advantage\": train.objective = 'grpo' needs one on every line")
@@ -137,6 +143,7 @@ def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter],
                                 f"max_positions")
         if multiple is not None:  # raises BadSample naming the line (unless too_long = "skip")
             fitting(sequences, [0] * len(sequences), cfg, multiple)
+        return tuple(dataclasses.replace(shape_of(s, counters), where="") for s in sequences)  # where: drawn
 
     return check
 
