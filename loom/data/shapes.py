@@ -1,5 +1,5 @@
 """What planning a step needs of a sample, without the sample: its tokens, its targets, the rows each of its
-encoder items becomes, its token fields. A user's lines are measured once, by the prescan (train/job_data.py);
+encoder items becomes, its token fields. A user's lines are measured once, by the prescan (train/prescan.py);
 every rank then plans the bins of a whole global batch from these alone (train/inputs.py `plan_shapes`) and
 renders (chat template, tokenizer, media headers) and decodes only the samples its own microbatches and encoder
 replicas take.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,12 +140,12 @@ class BadSamples:
         path.write_text("".join(json.dumps({"where": w, "why": m}) + "\n" for w, m in self.found.items()))
 
 
-def checked(files: list[ConversationFile], on_bad: str, bad: BadSamples,
-            check: Callable[[Conversation, str], object] | None = None) -> list[ConversationFile]:
-    """Every line of every file parsed and checked (and passed through `check(conversation, source name)`, which
-    raises BadSample) before any weight is read: on error, one BadSample listing the first few problems and
+def checked(files: list[ConversationFile], on_bad: str, bad: BadSamples, problems: list[dict[int, str]]
+            ) -> list[ConversationFile]:
+    """`files` after the prescan found `problems` in them (per file, index → message, in line order; every line
+    parsed and checked before any weight is read): on error, one BadSample listing the first few problems and
     their count; on skip, the files without those lines (each recorded)."""
-    problems = {f.path: f.problems(check) for f in files}
+    problems = {f.path: p for f, p in zip(files, problems, strict=True)}
     messages = [m for p in problems.values() for m in p.values()]
     if messages and on_bad == "error":
         more = f" (and {len(messages) - 5} more)" if len(messages) > 5 else ""
