@@ -34,6 +34,7 @@ from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
 from loom.models.hf import llava
 from loom.train.prescan import prescan, scan
+from loom.train.prescan_cache import PrescanCache
 
 VOCAB_MULTIPLE = 64  # a grown vocabulary is rounded up to this, so tensor parallelism still divides it
 
@@ -91,10 +92,12 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
     sources = [conversation_source(s.path) for s in d.sources]
     held = [conversation_source(d.heldout)] if d.heldout else []
     # every line's problems and shapes (a step then renders only its share), the lines shared over the ranks
-    problems, measured = scan(sources + held, prescan(cfg, rules, counters, multiple, rollouts))
-    files = checked(sources, d.on_bad_sample, bad, problems[:len(sources)])
+    cache = PrescanCache.of(cfg, multiple, rollouts) if d.prescan_cache else None
+    found = scan(sources + held, prescan(cfg, rules, counters, multiple, rollouts), cache)
+    measured = {f.where(i): s for f, (_, shapes) in zip(sources, found) for i, s in shapes.items()}
+    files = checked(sources, d.on_bad_sample, bad, [problems for problems, _ in found[:len(sources)]])
     if d.heldout:
-        held = checked(held, d.on_bad_sample, bad, problems[len(sources):])
+        held = checked(held, d.on_bad_sample, bad, [found[-1][0]])
     else:
         files, held = split_off(files, weights, d.heldout_size)
     train = ConversationSamples.mixture(files, weights, rules, counters, measured)

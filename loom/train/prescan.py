@@ -2,6 +2,7 @@
 the run (or is skipped) before the first step, and every step is planned from the lines' shapes without rendering
 them. In a world of several ranks each rank takes every world-th line of each source, and one all_gather_object
 over a gloo group of the world combines what they found: every rank ends with every line's problems and shapes.
+With data.prescan_cache a source's findings are kept beside it and read back by a later start (prescan_cache.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from loom.config import JobConfig
@@ -18,6 +20,7 @@ from loom.data.sample import sequences_of
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.source import ChatRules, rules_sample
 from loom.train.inputs import fitting
+from loom.train.prescan_cache import Findings, PrescanCache
 
 Check = Callable[[Conversation, str], tuple[SampleShape, ...]]
 
@@ -61,29 +64,44 @@ def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter],
     return check
 
 
-def scan(sources: list[Conversations], check: Check) -> tuple[list[dict[int, str]], dict[str, tuple[SampleShape, ...]]]:
-    """Every line of `sources` through `check`: per source, its problems (index → message, in line order), and
-    file:line → shapes for every line that passed. Shared over the ranks when there are several (a temporary gloo
-    group of the world: the job's groups do not exist yet), so each rank parses and renders 1/world of the lines."""
+def scan(sources: list[Conversations], check: Check, cache: PrescanCache | None = None) -> list[Findings]:
+    """Every line of `sources` through `check`: per source, its problems (index → message, in line order) and the
+    shapes of the lines that passed. Shared over the ranks when there are several (a temporary gloo group of the
+    world: the job's groups do not exist yet), so each rank parses and renders 1/world of the lines; a source
+    whose findings `cache` holds on every rank is read from it, not scanned (rank 0 writes the ones scanned)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
-    measured: dict[str, tuple[SampleShape, ...]] = {}
+    group = dist.new_group(backend="gloo") if world > 1 else None
+    try:
+        known = [cache.load(f) if cache is not None else None for f in sources]
+        if group is not None and cache is not None:  # a source is read from the cache on every rank, or scanned
+            hits = torch.tensor([found is not None for found in known], dtype=torch.int64)
+            dist.all_reduce(hits, op=dist.ReduceOp.MIN, group=group)
+            known = [found if hit else None for found, hit in zip(known, hits.tolist())]
+        todo = [k for k, found in enumerate(known) if found is None]
+        if todo and (world > 1 or len(todo) < len(sources)):
+            _prime(sources, check)
+        measured: dict[str, tuple[SampleShape, ...]] = {}
 
-    def measure(conv: Conversation, source: str) -> None:
-        measured[conv.where] = check(conv, source)
+        def measure(conv: Conversation, source: str) -> None:
+            measured[conv.where] = check(conv, source)
 
-    if world > 1:
-        _prime(sources, check)
-    found = [f.problems(measure, rank, world) for f in sources]
-    if world == 1:
-        return found, measured
-    group = dist.new_group(backend="gloo")
-    everyone: list[tuple[list[dict[int, str]], dict]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(everyone, (found, measured), group=group)
-    dist.destroy_process_group(group)
-    problems = [dict(sorted((i, m) for theirs, _ in everyone for i, m in theirs[k].items()))
-                for k in range(len(sources))]
-    return problems, {w: s for _, theirs in everyone for w, s in theirs.items()}
+        mine = {k: sources[k].problems(measure, rank, world) for k in todo}
+        everyone = [(mine, measured)]
+        if group is not None and todo:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, (mine, measured), group=group)
+        shapes = {w: s for _, theirs in everyone for w, s in theirs.items()}
+        for k in todo:
+            f = sources[k]
+            problems = dict(sorted((i, m) for theirs, _ in everyone for i, m in theirs[k].items()))
+            known[k] = problems, {i: shapes[f.where(i)] for i in range(len(f)) if i not in problems}
+            if cache is not None and rank == 0:
+                cache.save(f, known[k])
+        return known
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 def _prime(sources: list[Conversations], check: Check) -> None:
