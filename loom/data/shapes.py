@@ -20,7 +20,7 @@ class SampleShape:
     targets: int  # supervised_count(sample): its labels after the shift
     rows: dict[str, tuple[int, ...]] = field(default_factory=dict)  # encoder → its items' rows, placeholder order
     fields: frozenset[str] = frozenset()  # its token fields' names (Sample.token_fields)
-    where: str = ""  # file:line of a user's conversation (filled in when drawn: the prescan's table omits it)
+    where: str = ""  # file:line when measured from a sample that says it (the prescan keeps none: the dataset has it)
 
     def __len__(self) -> int:
         return self.tokens

@@ -144,11 +144,12 @@ def with_padded_length(cfg: JobConfig, longest: dict[str, int], multiple: int) -
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, padded_length=s))
 
 
-def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple: int
-            ) -> tuple[list[Sample], list[int], int]:
-    """With data.too_long = "skip": the samples whose padded length fits a microbatch (T packed, S padded) —
-    a DPO pair's two together, as they share one — their dataset indices, and how many were dropped (the
-    reference drops the same ones). Otherwise all, or a BadSample naming the first that does not fit."""
+def fitting(samples: list[Sample] | list[SampleShape], indices: list[int], cfg: JobConfig, multiple: int,
+            named: Callable[[int], str] | None = None) -> tuple[list, list[int], int]:
+    """With data.too_long = "skip": the samples (or their shapes) whose padded length fits a microbatch (T packed,
+    S padded) — a DPO pair's two together, as they share one — their dataset indices, and how many were dropped
+    (the reference drops the same ones). Otherwise all, or a BadSample naming the first that does not fit
+    (`named`: dataset index → its file:line, for samples that do not say)."""
     key, budget = limit(cfg)
     if not budget:
         return samples, indices, 0
@@ -163,7 +164,7 @@ def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple:
         for group in groups:
             if need(group) > budget:
                 s, index = samples[group[0]], indices[group[0]]
-                where = s.where or f"sample {index} of the dataset"
+                where = s.where or (named(index) if named else f"sample {index} of the dataset")
                 if len(group) == 1 or not together:
                     long = max(group, key=lambda p: len(samples[p]))
                     raise BadSample(f"{where}: {len(samples[long])} tokens (padded to a multiple of {multiple}: "

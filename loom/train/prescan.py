@@ -59,7 +59,7 @@ def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter],
                                 f"max_positions")
         if multiple is not None:  # raises BadSample naming the line (unless too_long = "skip")
             fitting(sequences, [0] * len(sequences), cfg, multiple)
-        return tuple(dataclasses.replace(shape_of(s, counters), where="") for s in sequences)  # where: drawn
+        return tuple(dataclasses.replace(shape_of(s, counters), where="") for s in sequences)  # the dataset has where
 
     return check
 

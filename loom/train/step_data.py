@@ -17,7 +17,6 @@ the step again without them; the workers restart after a drop, so the steps they
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,14 +58,17 @@ def draw(batches: GlobalBatches[Sample | SamplePair], step: int, cfg: JobConfig,
          multiple: int) -> Drawn:
     """The global batch's items as shapes, a DPO pair as its two sequences side by side (both with its index)."""
     indices, found = batches.indices(step), batches.shapes(step, counters)
-    where = getattr(batches.dataset, "where", None)
     bad = {i: str(s) for s, i in zip(found, indices) if isinstance(s, BadSample)}
-    good = [(dataclasses.replace(s, where=where(i)) if where else s, i) for item, i in zip(found, indices)
-            if isinstance(item, tuple) for s in item]
+    good = [(s, i) for item, i in zip(found, indices) if isinstance(item, tuple) for s in item]
     if not good:
         raise BadSample(f"step {step + 1}: every sample of the global batch is bad; nothing is left to train on")
-    shapes, kept, too_long = fitting([s for s, _ in good], [i for _, i in good], cfg, multiple)
+    shapes, kept, too_long = fitting([s for s, _ in good], [i for _, i in good], cfg, multiple, named(batches))
     return Drawn(shapes, kept, too_long, bad)
+
+
+def named(batches: GlobalBatches) -> Callable[[int], str]:
+    """Dataset index → how messages name it: its file:line (a user's data), else its index."""
+    return getattr(batches.dataset, "where", lambda i: f"sample {i} of the dataset")
 
 
 def rendered(batches: GlobalBatches[Sample | SamplePair], step: int, drawn: Drawn, counters: dict[str, TokenCounter]
@@ -81,7 +83,7 @@ def rendered(batches: GlobalBatches[Sample | SamplePair], step: int, drawn: Draw
         sample = sequences_of(item)[drawn.sequence(p)]
         planned, shape = drawn.shapes[p], shape_of(sample, counters)
         if not shape.same_as(planned):
-            where = planned.where or f"sample {drawn.indices[p]} of the dataset"
+            where = planned.where or named(batches)(drawn.indices[p])
             raise BadSample(f"{where}: renders to {shape.tokens} tokens and rows {shape.rows}, but measured "
                             f"{planned.tokens} and {planned.rows} at start-up: did its file change since?")
         return sample
@@ -123,7 +125,7 @@ def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: 
     while failed := agreed(inputs.failed, plan.data_group):
         if cfg.data.on_bad_sample == "error" or bad is None:
             raise BadSample(failed[min(failed)])
-        where = getattr(batches.dataset, "where", lambda i: f"sample {i} of the dataset")
+        where = named(batches)
         for index, why in failed.items():
             batches.drop(index)
             bad.add(where(index), why)
