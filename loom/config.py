@@ -57,8 +57,8 @@ class DataConfig:
     # (not listed: T per LLM microbatch served, always enough; a call with more rows compiles again)
     encoder_rows_per_microbatch: dict = field(default_factory=dict)
     seed: int = 0  # the built-in tasks' examples and every job's sample order, a function of (seed, step)
-    # processes preparing the coming steps (samples, plan, this rank's media decoded) while one trains; 0: in step
-    workers: int = 2
+    workers: int = 2  # processes preparing the coming steps (plan, this rank's samples) while one trains; 0: in step
+    prescan_cache: bool = False  # keep each source's prescan beside it (<source>.prescan-<key>.json) for the next start
     prefetch_steps: int = 2  # steps each worker holds ready
 
 

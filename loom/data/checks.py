@@ -1,7 +1,7 @@
 """The job's data against the rest of its config and the disk, before anything is read or built: built-in
 tasks need their encoders; a user's sources exist, have weights, a tokenizer and what their format needs.
 
-The files' contents are checked later, line by line (data/source.py's prescan, train/job_data.py).
+The files' contents are checked later, line by line (train/prescan.py, data/source.py `checked`).
 """
 
 from __future__ import annotations

@@ -216,12 +216,13 @@ class Conversations:
         """The source's name in metrics: its file's (or folder's) stem."""
         return self.path.stem
 
-    def problems(self, check: Callable[[Conversation, str], object] | None = None) -> dict[int, str]:
+    def problems(self, check: Callable[[Conversation, str], object] | None = None, rank: int = 0, world: int = 1
+                 ) -> dict[int, str]:
         """Every conversation that does not parse or check (a missing file included), or that `check(conversation,
-        source name)` refuses: index → message. Run before training, so a bad line stops the run before any
-        weight is read, not at the step that reads it."""
+        source name)` refuses: index → message; of every `world`-th from `rank` (a rank's share of the prescan). Run
+        before training, so a bad line stops the run before any weight is read, not at the step that reads it."""
         out = {}
-        for i in range(len(self)):
+        for i in range(rank, len(self), world):
             try:
                 conv = self[i]
                 if check is not None:

@@ -1,7 +1,9 @@
 """Global batches in an order fixed by the seed alone, so every layout sees the same samples.
 
 Step s reads the global batch `indices(s)`; a data-parallel replica takes its contiguous share. The order
-is a fresh permutation per epoch; the state to resume is just the step number.
+is a fresh permutation per epoch; the state to resume is just the step number. A step is planned from its
+items' shapes (`shapes`: a dataset's own, measured once, or else measured from the items rendered) and renders
+only the items a rank takes (`item`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from typing import Generic, TypeVar
 import torch
 
 from loom.data.conversations import BadSample
+from loom.data.format import TokenCounter
+from loom.data.sample import sequences_of
+from loom.data.shapes import SampleShape, shape_of
 
 T = TypeVar("T")
 
@@ -54,14 +59,37 @@ class GlobalBatches(Generic[T]):
         if len(idx) % dp_size:
             raise ValueError(f"global batch size {len(idx)} is not divisible by dp={dp_size}")
         share = len(idx) // dp_size
-        if step != self._step:  # the LLM's and each encoder's shares of one step overlap: build each once
-            self._step, self._samples = step, {}
+        return [self.item(step, i) for i in idx[dp_rank * share : (dp_rank + 1) * share]]
+
+    def shapes(self, step: int, counters: dict[str, TokenCounter]) -> list[tuple[SampleShape, ...] | BadSample | None]:
+        """The shapes of global batch `step`'s items, one per sequence of each (a DPO pair: two): the dataset's
+        own (`dataset.shape(i)`, measured once: nothing rendered), else measured from the item rendered now (kept
+        for `item`); a BadSample where the item is bad, None where it was dropped."""
+        own = getattr(self.dataset, "shape", None)
         out = []
-        for i in idx[dp_rank * share : (dp_rank + 1) * share]:
-            if i not in self._samples:
-                self._samples[i] = None if i in self.dropped else self._transformed(i)
-            out.append(self._samples[i])
+        for i in self.indices(step):
+            if i in self.dropped:
+                out.append(None)
+                continue
+            try:
+                out.append(own(i) if own is not None else self._measured(step, i, counters))
+            except BadSample as e:  # the same on every rank: they all measure the same bytes
+                out.append(e)
         return out
+
+    def _measured(self, step: int, i: int, counters: dict[str, TokenCounter]) -> tuple[SampleShape, ...]:
+        item = self.item(step, i)
+        if isinstance(item, BadSample):
+            raise item
+        return tuple(shape_of(s, counters) for s in sequences_of(item))
+
+    def item(self, step: int, i: int) -> T | BadSample | None:
+        """Dataset item `i` of global batch `step`, transformed (rendered once per step, whoever asks)."""
+        if step != self._step:
+            self._step, self._samples = step, {}
+        if i not in self._samples:
+            self._samples[i] = None if i in self.dropped else self._transformed(i)
+        return self._samples[i]
 
     def _transformed(self, i: int) -> T | BadSample:
         try:

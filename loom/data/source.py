@@ -3,15 +3,14 @@ conversations (a Hugging Face tokenizer and its chat template). Data knows no mo
 encoder emits for an item comes in as `counters`.
 
 Bad samples: a conversation found bad is either an error naming its file:line or, when skipped, recorded
-in `BadSamples` — the same on every rank, since every rank reads every sample of a global batch (their media
-only as far as their headers) and the few found bad only when decoding are agreed on before the step.
+in `BadSamples` — the same on every rank: the prescan checks every line (and measures its shape) before the
+first step, and the few found bad only when a rank renders or decodes its share are agreed on before the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +19,8 @@ from loom.data.conversation_format import MediaRules, conversation_sample
 from loom.data.conversations import BadSample, Conversation, ConversationFile, blend
 from loom.data.tables import TableConversations, is_table
 from loom.data.format import TokenCounter, to_sample
-from loom.data.sample import Sample, SamplePair
+from loom.data.sample import Sample, SamplePair, sequences_of
+from loom.data.shapes import SampleShape, shape_of
 from loom.data.tasks import TaskDataset
 from loom.data.tokenizer import ByteTokenizer
 
@@ -60,18 +60,25 @@ def conversation_source(path: str | Path) -> ConversationFile | TableConversatio
 
 
 class ConversationSamples:
-    """Position j of a mixture of JSONL files → its conversation as a sample (`positions`: (file, index))."""
+    """Position j of a mixture of JSONL files → its conversation as a sample (`positions`: (file, index));
+    `measured`: each file's conversations' shapes, by index (the prescan's), so a step is planned without
+    rendering the lines it does not take."""
 
     def __init__(self, files: list[ConversationFile], positions: list[tuple[int, int]], rules: ChatRules,
-                 counters: dict[str, TokenCounter]) -> None:
+                 counters: dict[str, TokenCounter], measured: list[list[tuple[SampleShape, ...]]] | None = None
+                 ) -> None:
         self.files, self.positions, self.rules, self.counters = files, positions, rules, counters
+        self.measured = measured
 
     @staticmethod
     def mixture(files: list[ConversationFile], weights: list[float], rules: ChatRules,
-                counters: dict[str, TokenCounter]) -> ConversationSamples:
-        """One epoch of the weighted mixture: as many positions as the files hold conversations."""
+                counters: dict[str, TokenCounter], measured: dict[str, tuple[SampleShape, ...]] | None = None
+                ) -> ConversationSamples:
+        """One epoch of the weighted mixture: as many positions as the files hold conversations; `measured`:
+        file:line → its shapes, for every conversation of the files (or None: measured when drawn)."""
+        by_index = [[measured[f.where(k)] for k in range(len(f))] for f in files] if measured is not None else None
         return ConversationSamples(files, blend([len(f) for f in files], weights, sum(map(len, files))), rules,
-                                   counters)
+                                   counters, by_index)
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -83,6 +90,13 @@ class ConversationSamples:
     def __getitem__(self, i: int) -> Sample | SamplePair:
         f, k = self.positions[i]
         return rules_sample(self.files[f][k], self.files[f].name, self.rules, self.counters)
+
+    def shape(self, i: int) -> tuple[SampleShape, ...]:
+        """Position i's shapes, one per sequence, as the prescan measured them (else measured now)."""
+        if self.measured is None:
+            return tuple(shape_of(s, self.counters) for s in sequences_of(self[i]))
+        f, k = self.positions[i]
+        return self.measured[f][k]
 
 
 def rules_sample(conv: Conversation, source: str, rules: ChatRules, counters: dict[str, TokenCounter]
@@ -126,12 +140,12 @@ class BadSamples:
         path.write_text("".join(json.dumps({"where": w, "why": m}) + "\n" for w, m in self.found.items()))
 
 
-def checked(files: list[ConversationFile], on_bad: str, bad: BadSamples,
-            check: Callable[[Conversation, str], object] | None = None) -> list[ConversationFile]:
-    """Every line of every file parsed and checked (and passed through `check(conversation, source name)`, which
-    raises BadSample) before any weight is read: on error, one BadSample listing the first few problems and
+def checked(files: list[ConversationFile], on_bad: str, bad: BadSamples, problems: list[dict[int, str]]
+            ) -> list[ConversationFile]:
+    """`files` after the prescan found `problems` in them (per file, index → message, in line order; every line
+    parsed and checked before any weight is read): on error, one BadSample listing the first few problems and
     their count; on skip, the files without those lines (each recorded)."""
-    problems = {f.path: f.problems(check) for f in files}
+    problems = {f.path: p for f, p in zip(files, problems, strict=True)}
     messages = [m for p in problems.values() for m in p.values()]
     if messages and on_bad == "error":
         more = f" (and {len(messages) - 5} more)" if len(messages) > 5 else ""

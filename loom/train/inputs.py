@@ -7,13 +7,15 @@ S = `data.padded_length` tokens, so these shapes never change either. Each encod
 part of every microbatch: under fan-in (more encoder replicas than LLM replicas) a contiguous, row-balanced
 part of one LLM replica's samples; under fan-out the LLM replicas of its block, one after another. The
 bridge concatenates or narrows these row runs, so it only needs each replica's row count, which every rank
-computes here.
+computes here. All of it is planned from the samples' shapes (data/shapes.py); a rank renders and decodes only
+the samples its LLM replica and encoder replicas take (`plan_shapes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -21,12 +23,13 @@ import torch
 
 from loom.bridge.replica_rows import ReplicaRows
 from loom.config import ConfigError, JobConfig
-from loom.data.batch import Batch, field_names, pad_samples, round_up, supervised_count, supervised_sequences
+from loom.data.batch import Batch, pad_samples, round_up, supervised_sequences
 from loom.data.bins import assign_bins, bin_stats
 from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
 from loom.data.conversations import BadSample
 from loom.data.sample import Sample, decoded
+from loom.data.shapes import SampleShape, shape_fields, shape_of
 from loom.data.tokenizer import Vocabulary
 from loom.data.spans import FILLER_PIECES, TokenSpans
 
@@ -141,11 +144,12 @@ def with_padded_length(cfg: JobConfig, longest: dict[str, int], multiple: int) -
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, padded_length=s))
 
 
-def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple: int
-            ) -> tuple[list[Sample], list[int], int]:
-    """With data.too_long = "skip": the samples whose padded length fits a microbatch (T packed, S padded) —
-    a DPO pair's two together, as they share one — their dataset indices, and how many were dropped (the
-    reference drops the same ones). Otherwise all, or a BadSample naming the first that does not fit."""
+def fitting(samples: list[Sample] | list[SampleShape], indices: list[int], cfg: JobConfig, multiple: int,
+            named: Callable[[int], str] | None = None) -> tuple[list, list[int], int]:
+    """With data.too_long = "skip": the samples (or their shapes) whose padded length fits a microbatch (T packed,
+    S padded) — a DPO pair's two together, as they share one — their dataset indices, and how many were dropped
+    (the reference drops the same ones). Otherwise all, or a BadSample naming the first that does not fit
+    (`named`: dataset index → its file:line, for samples that do not say)."""
     key, budget = limit(cfg)
     if not budget:
         return samples, indices, 0
@@ -160,7 +164,7 @@ def fitting(samples: list[Sample], indices: list[int], cfg: JobConfig, multiple:
         for group in groups:
             if need(group) > budget:
                 s, index = samples[group[0]], indices[group[0]]
-                where = s.where or f"sample {index} of the dataset"
+                where = s.where or (named(index) if named else f"sample {index} of the dataset")
                 if len(group) == 1 or not together:
                     long = max(group, key=lambda p: len(samples[p]))
                     raise BadSample(f"{where}: {len(samples[long])} tokens (padded to a multiple of {multiple}: "
@@ -247,37 +251,56 @@ def balanced_runs(positions: list[int], rows: list[int], k: int) -> list[list[in
 def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: Vocabulary,
                 counters: dict[str, TokenCounter], shares: dict[str, Share], multiple: int,
                 device: torch.device) -> StepInputs:
-    """This rank's microbatches of global batch `samples`; `shares`: module → `Share` (a plain (dp rank, dp size)
-    reads its inputs); the dp rank is None for a module this rank does not host (non-colocated): it gets no items
-    (no LLM batch), but the row counts, which the bridges need on both sides."""
-    rows = {n: [sum(c(item) for item in s.items(n)) for s in samples] for n, c in counters.items()}
-    tokens = [round_up(len(s), multiple) for s in samples]
+    """This rank's microbatches of global batch `samples` (every one rendered already: held-out sets, RL's)."""
+    shapes = [shape_of(s, counters) for s in samples]
+    return plan_shapes(shapes, indices, samples.__getitem__, cfg, tok, counters, shares, multiple, device)
+
+
+def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[[int], Sample], cfg: JobConfig,
+                tok: Vocabulary, counters: dict[str, TokenCounter], shares: dict[str, Share], multiple: int,
+                device: torch.device) -> StepInputs:
+    """This rank's microbatches of a global batch planned from its samples' `shapes` alone; `render(p)`: the
+    sample at position p, asked only for the positions this rank's LLM replica and encoder replicas take (a
+    BadSample it raises is noted in `failed`, as a file that fails to decode is). `shares`: module → `Share`
+    (a plain (dp rank, dp size) reads its inputs); the dp rank is None for a module this rank does not host
+    (non-colocated): it gets no items (no LLM batch), but the row counts, which the bridges need on both sides."""
+    rows = {n: [sum(s.item_rows(n)) for s in shapes] for n in counters}
+    tokens = [round_up(len(s), multiple) for s in shapes]
     llm_rank, llm_dp, _ = Share(*shares["language"])
     parts = split_llm(tokens, rows, llm_dp, cfg, indices)
     length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
     padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
-    micro, real, failed = [], 0, {}
-    fields = field_names(samples)  # the global batch's token fields: every microbatch carries them
+    micro, real, failed, rendered = [], 0, {}, {}
+
+    def sample(p: int) -> Sample | None:  # each position rendered once, whichever modules of this rank take it
+        if p not in rendered:
+            try:
+                rendered[p] = render(p)
+            except BadSample as e:
+                failed[p], rendered[p] = str(e), None
+        return rendered[p]
+
+    fields = shape_fields(shapes)  # the global batch's token fields: every microbatch carries them
     for llm_parts in parts:
-        mine = [samples[p] for p in llm_parts[llm_rank]] if llm_rank is not None else []
-        real += sum(len(s) for s in mine)
+        mine = llm_parts[llm_rank] if llm_rank is not None else []
+        real += sum(len(shapes[p]) for p in mine)
         items, counts, item_rows = {}, {}, {}
-        for name, count in counters.items():
+        for name in counters:
             enc_rank, enc_dp, reads_inputs = Share(*shares[name])
             enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
             if enc_rank is not None:
                 replica = enc_parts[enc_rank]  # this encoder replica's samples
                 # only this replica's items are decoded (a user's files: here), and only where its stage reads them
-                decoded = [x for p in replica for x in _decode(samples, p, name, failed)] if reads_inputs else []
+                decoded = [x for p in replica for x in _decode(sample(p), p, name, failed)] if reads_inputs else []
                 items[name] = [x.to(device) for x in decoded]
-                item_rows[name] = [count(item) for p in replica for item in samples[p].items(name)]
+                item_rows[name] = [r for p in replica for r in shapes[p].item_rows(name)]
             counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
                                        [sum(rows[name][p] for p in ps) for ps in llm_parts])
-        # the LLM's part goes without media: the encoders' parts above carry them
-        text = [dataclasses.replace(s, images=[], audio=[]) for s in mine]
         llm = None
         if llm_rank is not None:
+            # the LLM's part goes without media: the encoders' parts above carry them
+            text = [dataclasses.replace(s, images=[], audio=[]) for p in mine if (s := sample(p)) is not None]
             llm = collate(text, cfg, tok, multiple, length, padded_rows)
             for name in fields - llm.fields.keys():  # a microbatch without samples (an empty bin) carries zeros
                 llm.fields[name] = torch.zeros(llm.labels.shape)
@@ -286,20 +309,22 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     stats = {}
     if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
-        stats = bin_stats(bins, [len(s) for s in samples], rows, len(parts), length).as_dict()
-    targets = [supervised_count(s) for s in samples]
-    lengths = [len(s) for s in samples]
-    item_rows = {n: [c(item) for s in samples for item in s.items(n)] for n, c in counters.items()}
+        stats = bin_stats(bins, [len(s) for s in shapes], rows, len(parts), length).as_dict()
+    targets = [s.targets for s in shapes]
+    lengths = [len(s) for s in shapes]
+    item_rows = {n: [r for s in shapes for r in s.item_rows(n)] for n in counters}
     return StepInputs(micro, sum(targets), real, stats, sum(lengths),
                       {indices[p]: message for p, message in failed.items()}, list(indices),
                       sequences=sum(n > 0 for n in targets), lengths=lengths, item_rows=item_rows)
 
 
-def _decode(samples: list[Sample], p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:
+def _decode(sample: Sample | None, p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:
     """Sample `p`'s items for encoder `name`, decoded; a file that fails to decode is noted in `failed` (the
-    step's callers agree on such samples across ranks) and gives no items."""
+    step's callers agree on such samples across ranks) and gives no items, as a sample that failed to render."""
+    if sample is None:
+        return []
     try:
-        return [decoded(item) for item in samples[p].items(name)]
+        return [decoded(item) for item in sample.items(name)]
     except BadSample as e:
         failed[p] = str(e)
         return []

@@ -10,14 +10,14 @@ held-out conversations are `data.heldout`'s, or the last `data.heldout_size` spl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loom.config import ConfigError, JobConfig
 from loom.data.batch import round_up
 from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules
-from loom.data.conversations import BadSample, Conversation
+from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter, to_sample
 from loom.data.images import ImageRule, PreprocessorConfigError
 from loom.data.sample import Sample, SamplePair, decoded, sequences_of
@@ -28,13 +28,13 @@ from loom.data.source import (
     TaskSamples,
     checked,
     conversation_source,
-    rules_sample,
     split_off,
 )
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
 from loom.models.hf import llava
-from loom.train.inputs import fitting
+from loom.train.prescan import prescan, scan
+from loom.train.prescan_cache import PrescanCache
 
 VOCAB_MULTIPLE = 64  # a grown vocabulary is rounded up to this, so tensor parallelism still divides it
 
@@ -89,56 +89,24 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
     bad = BadSamples()
     weights = [s.weight for s in d.sources]
     rules = ChatRules(tok, media_rules(cfg), d.train_on)
-    check = prescan(cfg, rules, counters, multiple, rollouts)
-    files = checked([conversation_source(s.path) for s in d.sources], d.on_bad_sample, bad, check)
+    sources = [conversation_source(s.path) for s in d.sources]
+    held = [conversation_source(d.heldout)] if d.heldout else []
+    # every line's problems and shapes (a step then renders only its share), the lines shared over the ranks
+    cache = PrescanCache.of(cfg, multiple, rollouts) if d.prescan_cache else None
+    found = scan(sources + held, prescan(cfg, rules, counters, multiple, rollouts), cache)
+    measured = {f.where(i): s for f, (_, shapes) in zip(sources, found) for i, s in shapes.items()}
+    files = checked(sources, d.on_bad_sample, bad, [problems for problems, _ in found[:len(sources)]])
     if d.heldout:
-        held = checked([conversation_source(d.heldout)], d.on_bad_sample, bad, check)
+        held = checked(held, d.on_bad_sample, bad, [found[-1][0]])
     else:
         files, held = split_off(files, weights, d.heldout_size)
-    train = ConversationSamples.mixture(files, weights, rules, counters)
+    train = ConversationSamples.mixture(files, weights, rules, counters, measured)
     per_item = cfg.train.sequences_per_item
     if cfg.train.global_batch_size > per_item * len(train):
         raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds the {len(train)} "
                           f"training conversations of data.sources" + (" (two sequences each)" if per_item > 1 else ""))
     heldout = ConversationSamples.mixture(held, [1.0] * len(held), rules, counters) if held else []
     return JobData(tok, train, _loaded(heldout, d.on_bad_sample, bad), {}, bad)
-
-
-def prescan(cfg: JobConfig, rules: ChatRules, counters: dict[str, TokenCounter], multiple: int | None,
-            rollouts: bool = False) -> Callable[[Conversation, str], object]:
-    """What the prescan asks of every line beyond its own format: everything the tokenizer and the model's config
-    can judge — a media item for an encoder the model lacks, a media header that does not read, the chat template
-    refusing it, a placeholder typed into the text, a clip longer than the audio encoder's positions, a sample
-    over the token budget. Only pixels and samples are left to decode time."""
-    most = cfg.model.audio.max_positions
-    seen: dict[str, tuple[bool, str]] = {}  # an optional RL value → (given, where) on the first line checked
-
-    def check(conv: Conversation, source: str) -> None:
-        # `rollouts`: the steps train on `loom rl`'s own samples; the lines are prompts and held-out data
-        if cfg.train.objective == "grpo" and not rollouts and "advantage" not in conv.rl:
-            raise BadSample(f"{conv.where}: no \"advantage\": train.objective = 'grpo' needs one on every line")
-        if (cfg.train.objective == "dpo") != (conv.answers is not None):
-            raise BadSample(f"{conv.where}: no \"chosen\" and \"rejected\": train.objective = 'dpo' needs a pair on "
-                            f"every line" if conv.answers is None else
-                            f"{conv.where}: a DPO pair (\"chosen\", \"rejected\") but train.objective = "
-                            f"{cfg.train.objective!r}: set train.objective = 'dpo'")
-        for name in ("logprobs", "ref_logprobs"):  # a batch's samples carry the same fields
-            given = name in conv.rl
-            first_given, first = seen.setdefault(name, (given, conv.where))
-            if given != first_given:
-                raise BadSample(f"{conv.where}: {'has' if given else 'lacks'} \"{name}\" while {first} "
-                                f"{'lacks' if given else 'has'} it: give it on every line or on none")
-        sequences = sequences_of(rules_sample(conv, source, rules, counters))
-        clips = [(k, clip) for s in sequences for k, clip in enumerate(s.audio)]
-        for k, clip in clips:  # else the audio encoder's forward fails mid-run, on its ranks only
-            if counters["audio"](clip) > most:
-                raise BadSample(f"{conv.where}: clip {k + 1} gives {counters['audio'](clip)} frames after "
-                                f"subsampling, more than model.audio.max_positions = {most}; shorten it, or raise "
-                                f"max_positions")
-        if multiple is not None:  # raises BadSample naming the line (unless too_long = "skip")
-            fitting(sequences, [0] * len(sequences), cfg, multiple)
-
-    return check
 
 
 def media_rules(cfg: JobConfig) -> MediaRules:

@@ -6,11 +6,13 @@ while step s trains: `StepPrefetcher` runs `plan_step` for the coming steps in `
 holding `data.prefetch_steps` steps ahead, pinned for asynchronous copies. Resuming at step s starts the
 workers at s; the steps they return are the ones the main process would have planned, bit for bit.
 
-Samples found bad (data.on_bad_sample): a line whose header or template fails is found by every rank alike
-(each draws the whole global batch), a file that fails to decode only by the ranks whose encoder replicas
-take it. `step_inputs` gathers both over the data group before the step, so every rank raises the same error,
-or drops the same samples and plans the step again without them; the workers restart after a drop, so the
-steps they prepare leave those samples out as well.
+A rank plans the whole global batch from its items' shapes (measured once: data/shapes.py) and renders and
+decodes only the samples its LLM replica and encoder replicas take, so its work per step is its share's, whatever
+the world. Samples found bad (data.on_bad_sample): an item whose shape cannot be measured is found by every rank
+alike; a sample that fails to render, or whose file fails to decode, only by the ranks that take it. `step_inputs`
+agrees on them over the data group before the step — one all-reduce of a count, and a gather of the samples only
+in a step where some rank found one — so every rank raises the same error, or drops the same samples and plans
+the step again without them; the workers restart after a drop, so the steps they prepare leave those out as well.
 """
 
 from __future__ import annotations
@@ -28,46 +30,82 @@ from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample, SamplePair, sequences_of
+from loom.data.shapes import SampleShape, shape_of
 from loom.data.source import BadSamples
 from loom.data.tokenizer import Vocabulary
 from loom.train.build import RankPlan
-from loom.train.inputs import StepInputs, fitting, plan_inputs
+from loom.train.inputs import StepInputs, fitting, plan_shapes
 
 
 @dataclass
 class Drawn:
-    """Global batch s as every layout and the reference train on it."""
+    """Global batch s as every layout and the reference train on it: its samples' shapes (nothing rendered)."""
 
-    samples: list[Sample]
-    indices: list[int]  # their dataset indices
+    shapes: list[SampleShape]
+    indices: list[int]  # their dataset indices (a DPO pair's two sequences side by side, both with its index)
     too_long: int  # left out by data.too_long = "skip"
-    bad: dict[int, str]  # dataset index → why: found bad when drawn (the same on every rank), left out
+    bad: dict[int, str]  # dataset index → why: found bad when measured (the same on every rank), left out
+
+    def sequence(self, p: int) -> int:
+        """Which sequence of its item position p is (a DPO pair's rejected answer: 1)."""
+        k = 0
+        while p - k > 0 and self.indices[p - k - 1] == self.indices[p]:
+            k += 1
+        return k
 
 
-def draw(batches: GlobalBatches[Sample | SamplePair], step: int, cfg: JobConfig, multiple: int) -> Drawn:
-    """The global batch's items as samples, a DPO pair as its two sequences side by side (both with its index)."""
-    shard = batches.shard(step)
-    bad = {i: str(s) for s, i in zip(shard, batches.indices(step)) if isinstance(s, BadSample)}
-    good = [(s, i) for item, i in zip(shard, batches.indices(step)) if isinstance(item, (Sample, SamplePair))
-            for s in sequences_of(item)]
+def draw(batches: GlobalBatches[Sample | SamplePair], step: int, cfg: JobConfig, counters: dict[str, TokenCounter],
+         multiple: int) -> Drawn:
+    """The global batch's items as shapes, a DPO pair as its two sequences side by side (both with its index)."""
+    indices, found = batches.indices(step), batches.shapes(step, counters)
+    bad = {i: str(s) for s, i in zip(found, indices) if isinstance(s, BadSample)}
+    good = [(s, i) for item, i in zip(found, indices) if isinstance(item, tuple) for s in item]
     if not good:
         raise BadSample(f"step {step + 1}: every sample of the global batch is bad; nothing is left to train on")
-    samples, indices, too_long = fitting([s for s, _ in good], [i for _, i in good], cfg, multiple)
-    return Drawn(samples, indices, too_long, bad)
+    shapes, kept, too_long = fitting([s for s, _ in good], [i for _, i in good], cfg, multiple, named(batches))
+    return Drawn(shapes, kept, too_long, bad)
 
 
-def global_batch(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, multiple: int) -> list[Sample]:
-    """The samples of global batch `step` (the reference's batch; bad ones left out)."""
-    return draw(batches, step, cfg, multiple).samples
+def named(batches: GlobalBatches) -> Callable[[int], str]:
+    """Dataset index → how messages name it: its file:line (a user's data), else its index."""
+    return getattr(batches.dataset, "where", lambda i: f"sample {i} of the dataset")
+
+
+def rendered(batches: GlobalBatches[Sample | SamplePair], step: int, drawn: Drawn, counters: dict[str, TokenCounter]
+             ) -> Callable[[int], Sample]:
+    """Position p of the drawn batch rendered (the chat template, the tokenizer, the media headers), checked to
+    have the shape it was planned with; a BadSample names its line when it is not (its file changed since the
+    prescan) or no longer renders."""
+    def render(p: int) -> Sample:
+        item = batches.item(step, drawn.indices[p])
+        if isinstance(item, BadSample):
+            raise item
+        sample = sequences_of(item)[drawn.sequence(p)]
+        planned, shape = drawn.shapes[p], shape_of(sample, counters)
+        if not shape.same_as(planned):
+            where = planned.where or named(batches)(drawn.indices[p])
+            raise BadSample(f"{where}: renders to {shape.tokens} tokens and rows {shape.rows}, but measured "
+                            f"{planned.tokens} and {planned.rows} at start-up: did its file change since?")
+        return sample
+    return render
+
+
+def global_batch(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, counters: dict[str, TokenCounter],
+                 multiple: int) -> list[Sample]:
+    """The samples of global batch `step`, every one rendered (the reference's batch; bad ones left out)."""
+    drawn = draw(batches, step, cfg, counters, multiple)
+    return list(map(rendered(batches, step, drawn, counters), range(len(drawn.shapes))))
 
 
 def plan_step(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, tok: Vocabulary,
               counters: dict[str, TokenCounter], shares: dict[str, tuple[int, int]], multiple: int,
               device: torch.device = torch.device("cpu")) -> StepInputs:
-    """This rank's microbatches of step `step`, on `device`; `failed`: every sample found bad here, drawn or
+    """This rank's microbatches of step `step`, on `device`, planned from the whole global batch's shapes with
+    only this rank's share rendered and decoded; `failed`: every sample found bad here, measured, rendered or
     decoded (no collective: a worker process runs it)."""
-    drawn = draw(batches, step, cfg, multiple)
-    inputs = plan_inputs(drawn.samples, drawn.indices, cfg, tok, counters, shares, multiple, device)
+    drawn = draw(batches, step, cfg, counters, multiple)
+    inputs = plan_shapes(drawn.shapes, drawn.indices, rendered(batches, step, drawn, counters), cfg, tok, counters,
+                         shares, multiple, device)
     inputs.failed.update(drawn.bad)
     if drawn.too_long:
         inputs.stats["skipped_too_long"] = float(drawn.too_long)
@@ -87,7 +125,7 @@ def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: 
     while failed := agreed(inputs.failed, plan.data_group):
         if cfg.data.on_bad_sample == "error" or bad is None:
             raise BadSample(failed[min(failed)])
-        where = getattr(batches.dataset, "where", lambda i: f"sample {i} of the dataset")
+        where = named(batches)
         for index, why in failed.items():
             batches.drop(index)
             bad.add(where(index), why)
@@ -99,10 +137,14 @@ def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: 
 
 
 def agreed(failed: dict[int, str], group: dist.ProcessGroup | None) -> dict[int, str]:
-    """The union of every rank's `failed` (one small gather over the data group, a gloo group of the world;
-    none when the data has no files to decode)."""
+    """The union of every rank's `failed` over the data group, a gloo group of the world (none when the data has
+    no files to decode): one all-reduce of a count, and a gather of the samples only when some rank found one."""
     if group is None:
         return failed
+    found = torch.tensor([len(failed)])
+    dist.all_reduce(found, group=group)
+    if not found.item():
+        return {}
     everyone: list[dict[int, str]] = [{} for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(everyone, failed, group=group)
     return {i: why for found in everyone for i, why in found.items()}

@@ -100,7 +100,7 @@ def verify(cfg: JobConfig, steps: int, tolerance: float | None = None, device: t
         if step > 0:  # each later step measures the layout alone, not the drift of the steps before it
             resync_from_reference(model, optimizer, reference, ref_optimizer)
         mine = step_inputs(batches, step, plan, cfg, job.tok, job.counters, job.device, job.data.bad)
-        whole_batch = global_batch(batches, step, cfg, plan.sample_multiple)
+        whole_batch = global_batch(batches, step, cfg, job.counters, plan.sample_multiple)
         full = StepInputs.of(collate(whole_batch, eager_fp32, job.tok).to(job.device))
         ref_before, ref_grads = parameters(reference), {}
         ref = ref_plan.train_step(reference, ref_optimizer, full, eager_fp32, step,
