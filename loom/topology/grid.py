@@ -119,9 +119,10 @@ class Grid:
         name = "_".join(dims)
         if name not in root._flatten_mapping:
             group = self.group(*dims)
+            # private constructor: from_group makes a mesh its own root, and FSDP2 + TP need this one under root
             flat = DeviceMesh(device_type, _layout=_flat_layout(root[dims]._layout),
                               _rank_map=root._rank_map, mesh_dim_names=(name,), _root_mesh=root, _init_backend=False)
-            flat._dim_group_names = [group.group_name]
+            flat._dim_group_names = [group.group_name]  # _init_backend=False made none: the registry's group
             root._pg_registry[group.group_name] = group  # where compiled code looks groups up
             root._flatten_mapping[name] = flat  # a later root[dims]._flatten(name) returns this one
         return root._flatten_mapping[name]
