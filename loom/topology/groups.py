@@ -14,6 +14,7 @@ and loss in train/optim.py, train/step.py) use the default group, which exists a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -80,9 +81,10 @@ class GroupRegistry:
                 self._make(key, mine, lambda g=grid, d=dims: g.rank_sets(*d), grid.members(grid.layout.start, *dims),
                            None, f"{grid.module}:{'x'.join(dims)}")
 
-    def _make(self, key: tuple, mine: tuple[int, ...] | None, sets, other: tuple[int, ...], backend: str | None,
-              desc: str, mine_key: tuple | None = None) -> None:
-        """The partition `key` (every rank calls it, in one order), unless an earlier call made it."""
+    def _make(self, key: tuple, mine: tuple[int, ...] | None, sets: Callable[[], list[tuple[int, ...]]],
+              other: tuple[int, ...], backend: str | None, desc: str, mine_key: tuple | None = None) -> None:
+        """The partition `key` (every rank calls it, in one order), unless an earlier call made it; `mine`: this
+        rank's set (None: in none), stored under `mine_key` (default: the set itself)."""
         if mine is not None:
             self._held.add(mine_key or mine)
         if key in _PARTITIONS:
