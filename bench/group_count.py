@@ -1,15 +1,16 @@
 """Process groups created at start-up and the time it takes, for 64-rank plans, on CPU with the fake backend.
 
-    python bench/group_count.py
+    python bench/group_count.py [--rank R]
 
-For each plan, two registries: "every-subset" (a group for every rank set of all 15 non-empty subsets of
-the grid dims, what loom did before GROUP_DIMS) and "lean" (GROUP_DIMS only). This one process plays one
-rank of a 64-rank world on the fake backend (`dist.init_process_group("fake")`: no communication, so the
-time is the host's cost of the `new_group` calls and the grid arithmetic; on a real cluster each group
-also costs a store round trip or a communicator split over the whole world). Prints one JSON line per
-(plan, registry): groups created (every rank creates all of them), how many of those have a single rank,
-how many this rank is a member of, and the start-up time (Topology.plan + the registry's build: what
-Topology.build does), the median of --repeats start-ups, each on a fresh world.
+For each plan, two registries: "every-subset" (the groups of all 15 non-empty subsets of the grid dims, what
+loom did before GROUP_DIMS) and "lean" (GROUP_DIMS only). This one process plays rank R of a 64-rank world on
+the fake backend (`dist.init_process_group("fake")`: no communication, so the time is the host's cost of the
+registry's calls and the grid arithmetic). Each partition of a grid's ranks along a dim set is one world-wide
+call (`split_group` on NCCL, the enumeration here: topology/partitions.py); a dim set of degree 1 makes none.
+Prints one JSON line per (plan, registry): world-wide calls made, groups this rank holds (its communicators
+under NCCL), how many of those have a single rank (none: a rank alone gets a stand-in without one), and the
+start-up time (Topology.plan + the registry's build: what Topology.build does), the median of --repeats
+start-ups, each on a fresh world.
 """
 
 from __future__ import annotations
@@ -60,14 +61,19 @@ def measure(plan: str, registry: str, rank: int, repeats: int) -> dict:
         reg = GroupRegistry(dim_sets)
         reg.build(list(topo.grids.values()))
         times.append(time.perf_counter() - t0)
-        groups = {ranks: g for ranks, g in reg._groups.items()}
+        single = sum(g.size() == 1 for g in held_groups())
         GroupRegistry.destroy_all()
         dist.destroy_process_group()
     return {"bench": "group_count", "plan": plan, "registry": registry, "world": WORLD, "rank": rank,
-            "dim_sets": len(reg.dim_sets), "groups": reg.created,
-            "single_rank_groups": sum(len(r) == 1 for r in groups),
-            "member_of": sum(g is not None for g in groups.values()),
-            "startup_s": round(statistics.median(times), 4), "repeats": repeats}
+            "dim_sets": len(reg.dim_sets), "world_calls": reg.created, "held": reg.held(),
+            "single_rank_groups": single, "startup_s": round(statistics.median(times), 4), "repeats": repeats}
+
+
+def held_groups() -> list:
+    """Every group this process holds now (the registry's, none of them a stand-in)."""
+    from loom.topology import groups
+
+    return list(groups._ALL)
 
 
 def main() -> None:

@@ -53,6 +53,24 @@ def test_rank_sets_partition_the_grid_and_vary_only_along_their_dims():
             assert len(ranks) == _prod(grid.layout.degree(d) for d in dims)
 
 
+def test_partition_key_is_equal_exactly_when_the_rank_sets_are():
+    """Every dim subset of every layout of 16 ranks (and of two range starts): two partitions share a key iff their
+    rank sets are equal, and members() is each rank's set of rank_sets()."""
+    grids = [plan(16, *(f"--layout.language.{d}={n}" for d, n in zip(("tp", "cp", "pp"), degrees)),
+                  "--data.pad_to_multiple=16", "--train.global_batch_size=16").grids["language"]
+             for degrees in itertools.product((1, 2, 4), repeat=3) if 16 % _prod(degrees) == 0]
+    seen: dict[tuple, frozenset] = {}
+    for grid in grids:
+        for dims in (c for n in range(1, len(DIMS) + 1) for c in itertools.combinations(DIMS, n)):
+            sets = frozenset(grid.rank_sets(*dims))
+            assert seen.setdefault(grid.partition_key(*dims), sets) == sets, (grid.layout.describe(), dims)
+            assert all(grid.members(r, *dims) in sets for r in range(16))
+    assert len(set(seen.values())) == len(seen)  # unequal keys: unequal partitions
+    other = plan(8, '--layout.vision.ranks="0-3"', '--layout.audio.ranks="0-3"', '--layout.language.ranks="4-7"',
+                 "--train.global_batch_size=8").grids
+    assert other["vision"].partition_key("dp") != other["language"].partition_key("dp")
+
+
 def test_contains_and_outside_rank():
     topo = plan(8, '--layout.vision.ranks="0-1"', '--layout.audio.ranks="0-1"', '--layout.language.ranks="2-7"',
                 "--train.global_batch_size=12")
@@ -110,12 +128,21 @@ def _groups_touch_expected_ranks(overrides: list[str]) -> dict:
     cfg = load_config(None, overrides)
     topo = Topology.build(cfg)
     me = dist.get_rank()
-    seen = {}
+    seen, stand_ins = {}, []
     for name, grid in topo.grids.items():
         if not grid.contains(me):
             continue
         for dims in GROUP_DIMS:
             group = grid.group(*dims)
+            if grid.size(*dims) == 1:  # the stand-in: no communicator, and a collective on it raises
+                try:
+                    dist.all_reduce(torch.zeros(1), group=group)
+                    raised = False
+                except RuntimeError:
+                    raised = True
+                stand_ins.append((group.size(), raised, id(group)))
+                seen[(name, dims)] = (me,)
+                continue
             out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
             dist.all_gather(out, torch.tensor([me]), group=group)
             seen[(name, dims)] = tuple(int(t) for t in out)
@@ -128,7 +155,8 @@ def _groups_touch_expected_ranks(overrides: list[str]) -> dict:
             lang.group("pp", "tp")
         except MissingGroupError as e:
             missing = str(e)
-    return {"seen": seen, "mesh_shape": mesh_shape, "role": topo.role(me).modules, "missing": missing}
+    return {"seen": seen, "mesh_shape": mesh_shape, "role": topo.role(me).modules, "missing": missing,
+            "stand_ins": stand_ins, "held": topo.registry.held()}
 
 
 LAYOUTS_8 = {
@@ -162,6 +190,11 @@ def test_groups_on_8_ranks(worlds, name):
             expected = [r for r in ranks
                         if all(expected_coord(r, ranks[0], *degrees)[d] == mine[d] for d in DIMS if d not in dims)]
             assert sorted(members) == expected, (rank, module, dims)
+        # a degree-1 dim set: one stand-in per rank, of one rank, whose collectives raise
+        assert {(size, raised) for size, raised, _ in res["stand_ins"]} <= {(1, True)}
+        assert len({i for *_, i in res["stand_ins"]}) <= 1
+        # the groups held: one per distinct set of more than one rank that this rank is in
+        assert res["held"] == len({m for m in res["seen"].values() if len(m) > 1}), (rank, res["held"])
         if "language" in hosted:
             _, tp, _, _, dp = grids["language"]
             assert res["mesh_shape"] == (dp, tp)

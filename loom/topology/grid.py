@@ -3,7 +3,8 @@
 Ranks of a grid are laid out as a [pp, dp, cp, tp] array over its contiguous range (tp fastest).
 `rank_sets(dims)` partitions the grid into the groups that vary along `dims` with the other dims fixed;
 `group(*dims)` is this rank's member of that partition. Groups are created up front by `GroupRegistry`
-(topology/groups.py), only for the dim sets listed there.
+(topology/groups.py), only for the dim sets listed there. A rank's own coordinates and set are worked out from
+its rank alone (`coord`, `members`), so what a rank does for itself does not grow with the grid.
 """
 
 from __future__ import annotations
@@ -42,8 +43,30 @@ class Grid:
     def coord(self, rank: int) -> dict[str, int]:
         if not self.contains(rank):
             raise ValueError(f"rank {rank} is not in the {self.module} grid (ranks {self.layout.describe()})")
-        idx = (self.ranks == rank).nonzero()[0].tolist()
-        return dict(zip(DIMS, idx))
+        offset, idx = rank - self.layout.start, []
+        for degree in reversed(self.shape):  # mixed-radix digits, tp fastest
+            offset, digit = divmod(offset, degree)
+            idx.append(digit)
+        return dict(zip(DIMS, reversed(idx)))
+
+    def size(self, *dims: str) -> int:
+        """The ranks in each set along `dims`: the product of their degrees (1: every set is one rank)."""
+        return _numel(self.shape, [DIMS.index(d) for d in _ordered(dims)])
+
+    def partition_key(self, *dims: str) -> tuple:
+        """Equal for two grids' partitions along dims exactly when their rank sets are equal, from the degrees alone:
+        the first rank, the size, and the kept dims' (stride, degree) with degree-1 dims dropped and neighbours
+        merged where one's span is the next one's stride (ranks are [pp, dp, cp, tp] row-major)."""
+        strides = [_numel(self.shape, list(range(i + 1, len(DIMS)))) for i in range(len(DIMS))]
+        kept: list[tuple[int, int]] = []
+        for i in sorted((DIMS.index(d) for d in _ordered(dims)), reverse=True):  # by stride, smallest first
+            if self.shape[i] == 1:
+                continue
+            if kept and kept[-1][0] * kept[-1][1] == strides[i]:
+                kept[-1] = (kept[-1][0], kept[-1][1] * self.shape[i])
+            else:
+                kept.append((strides[i], self.shape[i]))
+        return (self.layout.start, self.layout.size, tuple(kept))
 
     def rank_at(self, **coord: int) -> int:
         """Inverse of coord(); every dim must be given."""
@@ -61,14 +84,13 @@ class Grid:
         return [tuple(row.tolist()) for row in moved]
 
     def members(self, rank: int, *dims: str) -> tuple[int, ...]:
-        """The ranks of `rank`'s group along `dims`."""
-        for ranks in self.rank_sets(*dims):
-            if rank in ranks:
-                return ranks
-        raise ValueError(f"rank {rank} is not in the {self.module} grid")
+        """The ranks of `rank`'s group along `dims`, in grid order."""
+        dims, at = _ordered(dims), self.coord(rank)
+        return tuple(self.ranks[tuple(slice(None) if d in dims else at[d] for d in DIMS)].flatten().tolist())
 
     def group(self, *dims: str) -> dist.ProcessGroup:
-        """This rank's process group along `dims` (created up front by the registry)."""
+        """This rank's process group along `dims` (created up front by the registry); a rank alone along `dims`
+        gets the registry's stand-in, on which a collective raises: callers skip theirs when `size(*dims)` is 1."""
         if self.registry is None:
             raise RuntimeError(f"the {self.module} grid has no process groups (built without a registry)")
         rank = dist.get_rank()
@@ -78,8 +100,8 @@ class Grid:
 
     def mesh(self, *dims: str, device_type: str = "cpu") -> DeviceMesh:
         """A DeviceMesh over `dims` for this rank, sliced from the grid's full [pp, dp, cp, tp] mesh so that
-        all of a module's meshes share one root (FSDP2 + TP need that); built from the registry's groups,
-        so no new collective runs."""
+        all of a module's meshes share one root (FSDP2 + TP need that); built from the registry's groups (a
+        degree-1 dim: the stand-in, which DTensor and FSDP2 never call), so no new collective runs."""
         dims = _ordered(dims)
         if self._root_mesh is None or self._root_mesh.device_type != device_type:
             groups = [self.group(d) for d in DIMS]
@@ -97,9 +119,10 @@ class Grid:
         name = "_".join(dims)
         if name not in root._flatten_mapping:
             group = self.group(*dims)
+            # private constructor: from_group makes a mesh its own root, and FSDP2 + TP need this one under root
             flat = DeviceMesh(device_type, _layout=_flat_layout(root[dims]._layout),
                               _rank_map=root._rank_map, mesh_dim_names=(name,), _root_mesh=root, _init_backend=False)
-            flat._dim_group_names = [group.group_name]
+            flat._dim_group_names = [group.group_name]  # _init_backend=False made none: the registry's group
             root._pg_registry[group.group_name] = group  # where compiled code looks groups up
             root._flatten_mapping[name] = flat  # a later root[dims]._flatten(name) returns this one
         return root._flatten_mapping[name]

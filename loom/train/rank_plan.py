@@ -134,9 +134,9 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
                             device, hidden_dtype, lay.tp if lay.sequence_parallel else 1, cfg.parallel.pp_grad_reduce,
                             tied.sum_grads if tied is not None else None)
     # expert counts sum over the LLM's dp×cp ranks (tp ranks count the same tokens; each stage its own layers)
+    counts_group = lang.group("dp", "cp") if hosts_llm and lang.size("dp", "cp") > 1 else None  # one rank: no sum
     comms = StepComms(norm_share(topo, modules), adds_loss=hosts_llm and lang.coord(me.rank)["tp"] == 0,
-                      expert_load=expert_load(cfg.model.language, lang.group("dp", "cp") if hosts_llm else None,
-                                              world=True))
+                      expert_load=expert_load(cfg.model.language, counts_group, world=True))
     run_context = RunContext(lang.group("cp") if hosts_llm and lay.cp > 1 else None, vocab_sharded=lay.tp > 1,
                              head_on_targets=not (lay.tp > 1 and lay.sequence_parallel))
     bridges = _bridges(topo, model, cfg)

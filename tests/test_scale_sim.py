@@ -1,0 +1,37 @@
+"""bench/scale_sim.py's 64-rank form (fake backend, one process posing as rank 0): both jobs start and plan a step,
+and rank 0 holds exactly one group per partition of more than one rank that it is in — counted by hand from the
+layouts' degrees — and none of one rank. Timings are the bench's business, not this test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+# by hand, rank 0 of 64 (ranks are [pp, dp, cp, tp] row-major, tp fastest):
+HELD = {
+    # vision tp2·dp32: its tp pair (0, 1), its dp set (0, 2, …, 62); all 64 (the vision grid, the audio's dp64 and the
+    # LLM's dp64 are that one set); every other dim set is of degree 1 (no group) or one of these
+    "mm2b": [2, 32, 64],
+    # LLM pp16·dp4 (ep4 = dp·cp: efsdp 1, no group): its pp set (0, 4, …, 60), its dp set (0-3), its EP group
+    # (0-3 again, a named group of its own), all 64 (the encoders' dp64 and the LLM grid)
+    "deepseek": [4, 4, 16, 64],
+}
+
+
+def test_scale_sim_at_64_ranks():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "bench/scale_sim.py", "--table", "--worlds", "64", "--steps", "1"],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["job"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert set(rows) == set(HELD)
+    for job, sizes in HELD.items():
+        row = rows[job]
+        assert row["world"] == 64 and row["rank"] == 0
+        assert row["held_sizes"] == sizes, (job, row["held_sizes"])
+        assert row["groups_held"] == len(sizes) and row["single_rank_groups"] == 0
+        assert row["world_calls"] == len(sizes)  # rank 0 is in a set of every partition made
+        assert row["global_batch"] == {"mm2b": 2 * 64, "deepseek": 16 * 4}[job]  # per replica × the LLM's dp
+        assert row["plan_step_s"] > 0 and row["startup_s"] > 0
