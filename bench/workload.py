@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from loom.data.sample import Sample
+from loom.data.shapes import SampleShape, shape_of
 from loom.data.tokenizer import ByteTokenizer
 
 
@@ -71,6 +72,15 @@ class PackedSteps:
 
     def indices(self, step: int) -> list[int]:
         return list(range(self.replicas * self.per_replica))
+
+    # what loom's step reads of its GlobalBatches (loom/data/loader.py): the samples' shapes, then each sample
+    dataset, dropped = None, frozenset()
+
+    def shapes(self, step: int, counters: dict) -> list[tuple[SampleShape]]:
+        return [(shape_of(s, counters),) for s in self.global_batch(step)]
+
+    def item(self, step: int, i: int) -> Sample:
+        return self.global_batch(step)[i]
 
     def shard(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
         batch = self.global_batch(step)
