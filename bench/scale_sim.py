@@ -125,7 +125,7 @@ def simulate(job: str, world: int, rank: int, steps: int) -> dict:
     first = timed(plan_step, batches, 0, cfg, tok, counters, plan.shares, plan.sample_multiple)[1]
     step = {"draw_s": [], "plan_step_s": []}
     for s in range(1, steps + 1):
-        step["draw_s"].append(timed(draw, batches, s, cfg, plan.sample_multiple)[1])
+        step["draw_s"].append(timed(draw, batches, s, cfg, counters, plan.sample_multiple)[1])
         step["plan_step_s"].append(timed(plan_step, batches, steps + s, cfg, tok, counters, plan.shares,
                                          plan.sample_multiple)[1])
     held = list(groups._ALL)
