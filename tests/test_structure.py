@@ -8,10 +8,10 @@ each other's types cannot be read alone either: issue 52). An edge goes to the m
 `from loom.a import b` → `loom.a.b` when that is a module, else `loom.a`; importing a submodule is not
 counted as importing its package's __init__.
 
-The layers (issue 52), lowest first: config, model_config, data, topology · models · parallel, bridge · train · rl · cli.
-No module reaches a module of a higher layer by any chain of imports, through modules of other folders
-(checkpoint/, plan_search/, job.py, …, which have no layer of their own) too. The edges still left against
-that are listed in LAYER_EXCEPTIONS, each with the reason it stays.
+The layers (issue 52), lowest first: config, model_config, data, topology · models · parallel, bridge · train ·
+rl · cli. No module reaches a module of a higher layer by any chain of imports, through modules of other folders
+(checkpoint/, plan_search/, job.py, …, which have no layer of their own) too. An edge left against that would be
+listed in LAYER_EXCEPTIONS with the reason it stays (none is).
 """
 
 from __future__ import annotations
@@ -31,14 +31,10 @@ BENCH = ROOT / "bench"
 MAX_LINES = 400
 
 # lowest first; a name is loom's folder (loom/<name>/) or top-level module (loom/<name>.py)
-LAYERS = (("config", "model_config", "data", "topology"), ("models",), ("parallel", "bridge"), ("train",), ("rl",), ("cli",))
+LAYERS = (("config", "model_config", "data", "topology"), ("models",), ("parallel", "bridge"), ("train",), ("rl",),
+          ("cli",))
 # (importer, imported) → why the edge stays for now; test_layer_exceptions_are_still_needed drops the fixed ones
-LAYER_EXCEPTIONS = {
-    ("loom.train.objective", "loom.rl.grpo"):
-        "issue 52: the step's objectives go to train/ with the tests that import and patch them in loom.rl",
-    ("loom.train.objective", "loom.rl.dpo"):
-        "issue 52: as rl.grpo; tests/test_dpo.py patches loom.rl.dpo.sum_over_shards, which a re-export would not",
-}
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {}  # none left (issue 52)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
