@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loom.models.multimodal import ModelConfig
+from loom.model_config import ModelConfig
 from loom.typed_config import (
     ConfigError,
     check_non_negative,

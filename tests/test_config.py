@@ -406,3 +406,11 @@ def test_partial_rotary_factor_is_a_share_with_an_even_count_of_rotated_dims():
     # head dim 32 × 0.25 = 8 rotated dims is fine; × 0.125 = 4 too; 32 × 0.1875 = 6; 32 × 0.15625 = 5 is odd
     assert load_config(None, ["--model.language.partial_rotary_factor=0.25"]).model.language.rope_dim == 8
     _has_all(_error("--model.language.partial_rotary_factor=0.15625"), "rotated dims", "= 5", "even")
+
+
+def test_projector_activation_names_are_the_projectors():
+    """[model.vision] projector_act's choices (model_config.py, no torch) are the activations the projector has."""
+    from loom.model_config import PROJECTOR_ACT_NAMES
+    from loom.models.projector import PROJECTOR_ACTS
+
+    assert tuple(PROJECTOR_ACTS) == PROJECTOR_ACT_NAMES

@@ -19,7 +19,7 @@ from loom.data.batch import IGNORE_INDEX
 from loom.data.conversations import BadSample
 from loom.data.packing import pack_samples
 from loom.job import load_config
-from loom.rl.dpo import DPO
+from loom.train.dpo import DPO
 from loom.train.inputs import StepInputs, fitting, split_llm
 
 
@@ -113,7 +113,7 @@ def _verify_with_reducing_backward(overrides: list[str]) -> list[dict]:
     """A fault: the cp sum's backward all-reduces, as a plain differentiable all-reduce does."""
     import torch.distributed.nn.functional as dist_fn
 
-    import loom.rl.dpo as dpo
+    import loom.train.dpo as dpo
 
     plain = dpo.sum_over_shards
     dpo.sum_over_shards = lambda x, group: x if group is None else dist_fn.all_reduce(x, group=group)

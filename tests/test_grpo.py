@@ -17,7 +17,7 @@ import loom.data.source
 from loom.config import GRPOConfig
 from loom.data.batch import IGNORE_INDEX
 from loom.data.packing import pack_samples
-from loom.rl.grpo import GRPO
+from loom.train.grpo import GRPO
 from loom.train.inputs import StepInputs
 
 VOCAB = 320  # the tiny model's (configs/tiny.toml)

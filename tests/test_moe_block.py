@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
@@ -135,7 +136,7 @@ def test_z_loss_adds_its_gradient_only():
     b, plain = _block(RouterSpec(E, 2), z=coef), _block(RouterSpec(E, 2))
     x, g = torch.randn(10, D), torch.randn(10, D)
     counted = torch.tensor([True] * 8 + [False] * 2)
-    with aux_loss_scale(scale):
+    with aux_loss_scale(b, scale):
         y = b(x, TokenSpans(counted=counted))
         y.backward(g)
     y_plain = plain(x, TokenSpans(counted=counted))
@@ -175,12 +176,31 @@ def test_compiled_block_gives_the_same_output_gradients_and_counts():
     compiled = _block(RouterSpec(E, 2), z=0.01)
     compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
     x, g = torch.randn(16, D), torch.randn(16, D)
-    with aux_loss_scale(0.5):
+    with aux_loss_scale(nn.ModuleList([eager, compiled]), 0.5):
         a, c = _grads(eager, x, g), _grads(compiled, x, g)
     assert (a[0] - c[0]).abs().max() < 1e-6 and (a[1] - c[1]).abs().max() < 1e-6
     assert all((a[2][n] - c[2][n]).abs().max() < 1e-6 for n in a[2])
     assert torch.equal(eager.tokens_per_expert, compiled.tokens_per_expert)
 
+
+
+def test_a_new_step_scale_compiles_nothing_new():
+    """The step's aux-loss scale reaches a compiled block as a tensor (`aux_scale`, set from outside): a new
+    normaliser each step recompiles nothing, and the z-loss gradient follows the scale as eager's does."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    eager, compiled = _block(RouterSpec(E, 2), z=0.01), _block(RouterSpec(E, 2), z=0.01)
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
+    x, g = torch.randn(16, D), torch.randn(16, D)
+    frames = []
+    for scale in (1 / 3, 1 / 5, 1 / 7):
+        with aux_loss_scale(nn.ModuleList([eager, compiled]), scale):
+            a, c = _grads(eager, x, g), _grads(compiled, x, g)
+        assert (a[2]["gate.weight"] - c[2]["gate.weight"]).abs().max() < 1e-6
+        frames.append(counters["frames"]["total"])
+    assert frames[1] == frames[2] == frames[0], frames
+    assert eager.aux_scale is None and compiled.aux_scale is None  # set for the step only
 
 def test_initial_expert_and_router_weights_are_drawn():
     """Every stacked expert weight and the router start at N(0, init_std), seeded by name (zero experts would
@@ -210,7 +230,7 @@ def test_sequence_balance_loss_gradient_is_the_per_sample_definition():
     counted = torch.cat([torch.arange(n) < r for n, r in zip(lengths, real)])
     spans = TokenSpans.from_lengths(lengths)
     x, g = torch.randn(20, D), torch.randn(20, D)
-    with aux_loss_scale(1.0, scale):
+    with aux_loss_scale(b, 1.0, scale):
         b(x, TokenSpans(cu_seqlens=spans.cu_seqlens, bounds=spans.bounds, counted=counted)).backward(g)
     want = (plain(x) * g).sum()
     start = 0
@@ -249,7 +269,7 @@ def test_compiled_block_is_one_graph_and_counts_once_under_recomputation():
     x, g = torch.randn(16, D, dtype=torch.bfloat16), torch.randn(16, D, dtype=torch.bfloat16)
     counted = torch.tensor([True] * 13 + [False] * 3)
     results = []
-    with aux_loss_scale(0.5), set_checkpoint_early_stop(False):
+    with aux_loss_scale(nn.ModuleList(blocks), 0.5), set_checkpoint_early_stop(False):
         for forward in (blocks[0].forward, compiled):
             xi = x.clone().requires_grad_()
             checkpoint(forward, xi, TokenSpans(counted=counted), use_reentrant=False).backward(g)

@@ -4,25 +4,13 @@ sinusoidal positions, pre-norm transformer layers. Clips of different lengths gi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom.model_config import AudioConfig
 from loom.models.encoder_layer import EncoderLayer, RowBudget, run_packed
-
-
-@dataclass
-class AudioConfig:
-    num_features: int = 32  # mel bins of the input features
-    hidden_size: int = 96
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 256
-    layer_norm_eps: float = 1e-5
-    max_positions: int = 1500  # frames after subsampling
-    hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:

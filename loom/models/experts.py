@@ -13,6 +13,8 @@ Two ways to compute the same thing on tokens sorted by expert:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -31,6 +33,9 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.kernel = kernel
+        # the seam expert parallelism fills from outside (parallel/experts.py): (experts, x, counts) → outputs, in
+        # place of computing every expert here; None: all experts are this module's
+        self.exchange: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -38,6 +43,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` [n, hidden]: tokens sorted by expert, `counts` [E] (int) tokens of each expert, in order."""
+        if self.exchange is not None:
+            return self.exchange(self, x, counts)
         return self.compute(x, counts, self.gate_proj, self.up_proj, self.down_proj)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,

@@ -4,7 +4,8 @@ optional shared experts that every token goes through.
 Tokens are sorted by expert (a stable sort: the same order on every run), each expert computes on its run,
 and the results come back to their tokens by the inverse permutation and a sum over each token's k choices
 (no scatter-add, forward or backward: models/row_moves.py; deterministic on any device). `experts(x_sorted,
-counts)` is the seam that expert parallelism replaces from outside (parallel/); the model never sees a grid.
+counts)` goes through the experts' `exchange` seam, which expert parallelism sets from outside (parallel/); the
+model never sees a grid.
 
 The block also keeps what load balancing needs, off the autograd graph:
 - `tokens_per_expert`: the counted tokens (a sample's own, not padding or filler: `TokenSpans.counted`) each
@@ -15,8 +16,9 @@ The block also keeps what load balancing needs, off the autograd graph:
   balance loss (`seq_aux_loss_coef`: per sample, Σ_e f_e·P_e with f_e = E/(k·T)·(tokens sent to e) and P_e the
   mean normalised score of e over the sample's T counted tokens) are added to the gradient, not the forward:
   each token's z term is divided by the step's global normaliser and each sample's balance term by the global
-  sample count (`aux_loss_scale`, set by the step), so neither gradient depends on microbatching or layout. A
-  sample's counts are whole-sample counts: under context parallelism its shards add them (`spans.context`).
+  sample count (the block's `aux_scale`, which the step sets on the model's blocks: `aux_loss_scale`), so neither
+  gradient depends on microbatching or layout. A sample's counts are whole-sample counts: under context
+  parallelism its shards add them (`spans.context`).
 """
 
 from __future__ import annotations
@@ -32,18 +34,23 @@ from loom.data.spans import TokenSpans
 from loom.models.router import Router, Routing, RouterSpec
 from loom.models.row_moves import spread_rows, take_rows
 
-_AUX_SCALE: list[tuple[float, float] | None] = [None]  # (per token, per sample) while a training step runs
-
 
 @contextlib.contextmanager
-def aux_loss_scale(per_token: float, per_sample: float = 0.0):
-    """Within it, the blocks' auxiliary losses reach the gradient: each token's z-loss term times `per_token`,
-    each sample's balance term times `per_sample`."""
-    _AUX_SCALE[0] = (per_token, per_sample)
+def aux_loss_scale(model: nn.Module, per_token: float, per_sample: float = 0.0):
+    """Within it, the auxiliary losses of `model`'s MoE blocks reach the gradient: each token's z-loss term
+    times `per_token`, each sample's balance term times `per_sample`."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    scales: dict[torch.device, torch.Tensor] = {}
+    for block in blocks:
+        device = block.gate.weight.device
+        if device not in scales:  # a tensor, not floats: a compiled block reads it as an input (no recompile)
+            scales[device] = torch.tensor([per_token, per_sample], dtype=torch.float64, device=device)
+        block.aux_scale = scales[device]
     try:
         yield
     finally:
-        _AUX_SCALE[0] = None
+        for block in blocks:
+            block.aux_scale = None
 
 
 class MoEBlock(nn.Module):
@@ -56,6 +63,9 @@ class MoEBlock(nn.Module):
         self.shared_experts = SwiGLU(hidden, intermediate * n_shared) if n_shared else None
         self.z_loss_coef, self.seq_aux_loss_coef = z_loss_coef, seq_aux_loss_coef
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts), persistent=False)
+        # [per token, per sample] (fp64) scales of the auxiliary losses' gradients, set from outside for a training
+        # step's forwards and backwards (`aux_loss_scale`); None: they are not added
+        self.aux_scale: torch.Tensor | None = None
 
     def reset_buffers(self) -> None:
         self.tokens_per_expert.zero_()
@@ -87,15 +97,16 @@ class MoEBlock(nn.Module):
 
     def _with_aux_gradient(self, out: torch.Tensor, route: Routing, mask: torch.Tensor | None,
                            spans: TokenSpans | None) -> torch.Tensor:
-        scales = _AUX_SCALE[0]
+        scales = self.aux_scale
         if scales is None or not (self.z_loss_coef or self.seq_aux_loss_coef):
             return out
         aux = out.new_zeros((), dtype=torch.float32)
         if self.z_loss_coef:
             z = torch.logsumexp(route.logits, dim=-1).square()
-            aux = aux + self.z_loss_coef * scales[0] * (z if mask is None else z * mask.float()).sum()
+            # coefficient × scale in fp64, then fp32: the rounding Python floats gave when the scale was one
+            aux = aux + (self.z_loss_coef * scales[0]).float() * (z if mask is None else z * mask.float()).sum()
         if self.seq_aux_loss_coef:
-            aux = aux + self.seq_aux_loss_coef * scales[1] * _sequence_balance(route, mask, spans)
+            aux = aux + (self.seq_aux_loss_coef * scales[1]).float() * _sequence_balance(route, mask, spans)
         return _AddGradient.apply(out, aux, 1.0)
 
 

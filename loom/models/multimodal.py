@@ -7,33 +7,16 @@ parallel layout; the step driver may therefore call `encode` and the LLM separat
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from loom.models.audio import AudioConfig, AudioEncoder
-from loom.models.llm import DecoderLM, LLMConfig
+from loom.model_config import AudioConfig, LLMConfig, VisionConfig
+from loom.model_config import ModelConfig  # noqa: F401 (its import path before it moved: kept for callers)
+from loom.models.audio import AudioEncoder
+from loom.models.llm import DecoderLM
 from loom.models.projector import Projector
-from loom.models.vision import VisionConfig, VisionEncoder
-from loom.typed_config import choice
-
-
-@dataclass
-class ModelConfig:
-    """[model]: which encoders feed the LLM, each module's sizes, the tokenizer and attention backend. Defined
-    here, next to the model it describes, so that loom/models never imports the job's config (loom/config.py)."""
-
-    encoders: list[str] = field(default_factory=lambda: ["vision", "audio"])
-    # a Hugging Face folder holding the whole model (LLaVA): it sets the encoders, every module's sizes and `hf`
-    hf: str = ""
-    # a Hugging Face tokenizer folder (tokenizer.json + chat template) for data.sources; empty: loom's byte
-    # tokenizer, which the built-in tasks use
-    tokenizer: str = ""
-    attention: str = choice("auto", "auto", "sdpa", "varlen")
-    language: LLMConfig = field(default_factory=LLMConfig)
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    audio: AudioConfig = field(default_factory=AudioConfig)
+from loom.models.vision import VisionEncoder
 
 
 class ModalityEncoder(nn.Module):

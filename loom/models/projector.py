@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# the activations between the two matmuls, by their Hugging Face names (LLaVA's `projector_hidden_act`)
+# the activations between the two matmuls, by their Hugging Face names (LLaVA's `projector_hidden_act`): the
+# names VisionConfig.projector_act accepts (model_config.PROJECTOR_ACT_NAMES)
 PROJECTOR_ACTS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -20,18 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class RouterSpec:
-    num_experts: int
-    top_k: int
-    score: str = "softmax"  # "softmax" | "sigmoid"
-    norm_topk_prob: bool = True
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    choice_bias: bool = False  # a selection-only bias buffer (`e_score_correction_bias`)
-    group_score: str = "top2_sum"  # "top2_sum" (DeepSeek-V3) | "max" (DeepSeek-V2)
+from loom.model_config import RouterSpec
 
 
 @dataclass

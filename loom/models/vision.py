@@ -11,35 +11,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom.model_config import VisionConfig
 from loom.models.encoder_layer import EncoderLayer, RowBudget, run_packed
-from loom.models.projector import PROJECTOR_ACTS
-from loom.typed_config import choice
-
-
-@dataclass
-class VisionConfig:
-    channels: int = 3
-    patch_size: int = 4
-    hidden_size: int = 96
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 256
-    layer_norm_eps: float = 1e-6
-    position_grid: int = 8  # learned positions for a grid×grid patch image, interpolated for other sizes
-    act: str = "tanh"  # gelu approximation: "tanh" (SigLIP), "none" (exact) or "quick" (CLIP's quick_gelu)
-    class_token: bool = False  # CLIP: a learned [CLS] row before each image's patches, position row 0 its own
-    patch_bias: bool = True  # CLIP's patch embedding has none
-    pre_norm: bool = False  # CLIP's LayerNorm of the embeddings before the first layer (`pre_layrnorm`)
-    final_norm: bool = True  # post_layernorm on the last layer's output; a LLaVA tower's LLM reads a layer's output
-    drop_first_row: bool = False  # LLaVA's "default" feature strategy: each image's first output row ([CLS]) dropped
-    projector_act: str = choice("gelu", *PROJECTOR_ACTS)  # the projector's activation, between its two matmuls
-    hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 
 class VisionEncoder(nn.Module):

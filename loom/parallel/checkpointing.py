@@ -92,4 +92,5 @@ def checkpoint_blocks(name: str, module: nn.Module, mode: str, compiled: bool = 
     for block in transformer_blocks(name, module):
         if getattr(block.forward, "activation_checkpointing", None):
             raise RuntimeError(f"{name}: a block is already checkpointed")
+        # the forward, not the module (checkpoint_wrapper renames parameters; FSDP2's hooks must stay outside)
         block.forward = checkpointed(block.forward, mode)

@@ -50,6 +50,8 @@ def compile_blocks(name: str, module: nn.Module, cfg: JobConfig | None = None) -
         importlib.import_module("torch._inductor.cudagraph_trees")
     dynamic = encoder_dynamic(name in budgets, mode)
     for block in transformer_blocks(name, module):
+        # the forward, not the module (module.compile() traces FSDP2's and TP's hooks; torch.compile(block) renames
+        # its parameters): kept in plain sight by the module docstring and tests/test_recompiles.py
         block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic, mode=mode)
 
 

@@ -20,6 +20,8 @@ dense ones (pytorch #160285 had them 2× off); loom verify compares every expert
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -75,7 +77,7 @@ def apply_expert_parallel(llm: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPo
 
 class ExpertParallel(ParallelStyle):
     """The stacked weights as DTensors sharded on dim 0 (whole experts) over the ep mesh, and the experts'
-    forward replaced by dispatch → local experts → combine."""
+    `exchange` seam set to dispatch → local experts → combine."""
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, Experts):
@@ -83,7 +85,7 @@ class ExpertParallel(ParallelStyle):
         for name, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
         group, size = mesh.get_group(), mesh.size()
-        module.forward = lambda x, counts: _dispatch_compute_combine(module, group, size, x, counts)
+        module.exchange = functools.partial(_dispatch_compute_combine, group, size)
         return module
 
 
@@ -91,7 +93,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _dispatch_compute_combine(experts: Experts, group: dist.ProcessGroup, ep: int, x: torch.Tensor,
+def _dispatch_compute_combine(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
                               counts: torch.Tensor) -> torch.Tensor:
     """`x` [n, hidden] sorted by global expert, `counts` [E]: the experts' outputs in `x`'s order."""
     local = counts.numel() // ep

@@ -195,7 +195,7 @@ class PipelinedLM(nn.Module):
         self.rotary = llm.rotary
         self.stages = stages  # a plain list: the stages' parameters are registered once, above
         # name here → the one-process name of the weight it copies: the head's copy of a tied embedding
-        tied = llm.cfg.tie_embeddings and "lm_head" in self._modules
+        tied = llm.cfg.tie_embeddings and hasattr(self, "lm_head")
         self.tied_copies = {"lm_head.weight": "embed_tokens.weight"} if tied else {}
 
     @property

@@ -58,7 +58,7 @@ class TiedEmbedding:
 
     def __init__(self, lm: PipelinedLM, group: dist.ProcessGroup | None) -> None:
         self.copies: list[nn.Parameter] = []
-        if "embed_tokens" in lm._modules:
+        if getattr(lm, "embed_tokens", None) is not None:  # stage 0 is this rank's
             self.copies.append(lm.embed_tokens.weight)
         self.copies += [lm.get_parameter(name) for name in lm.tied_copies]
         if len(self.copies) == 1 and group is None:

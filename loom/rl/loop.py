@@ -36,7 +36,7 @@ from loom.data.loader import GlobalBatches
 from loom.data.chat import ChatTokenizer
 from loom.data.sample import Sample
 from loom.models.sampler import Sampler, SamplingParams
-from loom.rl.grpo import BEHAVIOUR, SAMPLER
+from loom.train.grpo import BEHAVIOUR, SAMPLER
 from loom.rl.pairs import answer_gains, completion_sample, pair_accuracy, preference_pairs
 from loom.rl.prompts import JsonlPrompts, TrainingPrompts
 from loom.rl.rewards import all_equal, group_advantages, load_reward, reward_of

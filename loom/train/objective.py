@@ -11,7 +11,7 @@ An objective answers two questions, and the step program asks nothing else of it
   splits them, so an objective may derive per-token fields there (GRPO's sequence weights, DPO's sequences).
 Per-token inputs beyond the labels (advantages, behaviour or reference logprobs) arrive in `batch.fields`,
 packed, padded and CP-sharded like the labels. An objective may also keep metric sums on the side
-(`metric_names`, `take_metrics()`: sums over its tokens or pairs, their count last; rl/metric_sums.py): the
+(`metric_names`, `take_metrics()`: sums over its tokens or pairs, their count last; train/metric_sums.py): the
 step adds them over the world and reports their means.
 """
 
@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from loom.config import TrainConfig
 from loom.data.batch import Batch
-from loom.rl.dpo import DPO
-from loom.rl.grpo import GRPO
+from loom.train.dpo import DPO
+from loom.train.grpo import GRPO
 from loom.train.inputs import StepInputs
 from loom.train.loss import loss_function
 

@@ -122,7 +122,7 @@ def run_microbatches(plan: StepPlan, model: MultimodalModel, inputs: StepInputs,
     # the experts' auxiliary losses scale their gradients by the global batch's counts: a token's z-loss as the
     # token loss, a sample's balance term by the global sample count
     scales = (1.0 / normaliser, 1.0 / max(1, inputs.sequences))
-    with aux_loss_scale(*scales) if train else contextlib.nullcontext():
+    with aux_loss_scale(model, *scales) if train else contextlib.nullcontext():
         loss = plan.runner.run(model, inputs.microbatches, plan.rows, objective, normaliser, plan.run_context, train)
     plan.rows.finish()  # three-phase: the rows' gradients back into the encoders; sends completed
     return loss
