@@ -22,6 +22,9 @@ from bench.workload import SMALL, Shape
 # loom's data (what `loom verify` trains on; the bench brings its own samples)
 VISION_ONLY = ["--model.encoders=[\"vision\"]", "--data.tasks=[\"digits\",\"shapes\"]"]
 SMALL_MODEL = ["--model.vision.patch_size=4"]
+# loom verify's ViT on GPUs: the 0.4B ViT's widths and heads (what its tp must divide), 4 layers, the built-in tasks'
+# small images at patch 4
+VIT_VERIFY = [*VIT, "--model.vision.num_layers=4", "--model.vision.patch_size=4", "--model.vision.position_grid=8"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ LONG_CONTEXT = LayoutWorkload(
     small_seq=256, small_per_gpu=1,
     small_layouts={"one-cp2": [*_lay("language", cp=2), *_lay("vision", tp=2), *_mt(2, 256)],
                    "loom-cp2": [*_lay("language", cp=2), *_mt(2, 256)]},
-    verify_model=[*LLMS["1.5b"], "--model.language.num_layers=4", *VIT, "--model.vision.num_layers=4"],
+    verify_model=[*LLMS["1.5b"], "--model.language.num_layers=4", *VIT_VERIFY],
 )
 
 # ---------------------------------------------------------------- 2. a pipelined 7B-class LLM after the 0.4B ViT
@@ -95,7 +98,7 @@ PIPELINED = LayoutWorkload(
     small_shape=Shape(patch=4, image_px=(16, 24), text=(8, 32), audio_every=0, images=3),
     small_seq=256, small_per_gpu=2,
     small_layouts={"one-pp2": [*_pp(2, 4, 128), *_lay("vision", tp=2)], "loom-pp2": _pp(2, 4, 128)},
-    verify_model=[*QWEN2_5_7B, "--model.language.num_layers=4", *VIT, "--model.vision.num_layers=4"],
+    verify_model=[*QWEN2_5_7B, "--model.language.num_layers=4", *VIT_VERIFY],
 )
 
 # ---------------------------------------------------------------- 3. encoder-heavy: encoders on GPUs of their own
@@ -111,15 +114,15 @@ ENCODER_HEAVY = LayoutWorkload(
     [*LLMS["0.5b"], *VIT, *VISION_ONLY], seq=24576, per_gpu=3,
     layouts={  # 12 samples per step: 3 per LLM replica at dp4, 4 at dp3, 6 at dp2
         "one-dp4": _mt(2, 16384),
-        "one-tp2dp2": [*_lay("language", tp=2, sequence_parallel="true"), "--data.pad_to_multiple=2",
-                       *_mt(2, 24576)],
+        "one-tp2dp2": [*_lay("language", tp=2, sequence_parallel="true"), *_lay("vision", tp=2),
+                       "--data.pad_to_multiple=2", *_mt(2, 24576)],
         "loom-enc1-dp3": [*_apart("0-0", "1-3"), *_mt(2, 16384)],
         "loom-enc2-dp2": [*_apart("0-1", "2-3"), *_mt(4, 16384)],
     },
     small_shape=Shape(patch=4, image_px=(16, 24), text=(8, 32), audio_every=0, images=4),
     small_seq=256, small_per_gpu=2,
     small_layouts={"one-dp2": _mt(2, 256), "loom-enc1-dp1": [*_apart("0-0", "1-1"), *_mt(2, 256)]},
-    verify_model=[*LLMS["0.5b"], "--model.language.num_layers=4", *VIT, "--model.vision.num_layers=4"],
+    verify_model=[*LLMS["0.5b"], "--model.language.num_layers=4", *VIT_VERIFY],
 )
 
 WORKLOADS = {w.name: w for w in (LONG_CONTEXT, PIPELINED, ENCODER_HEAVY)}
@@ -146,3 +149,29 @@ def verify_overrides(name: str, layout: str, small: bool) -> list[str]:
     pp = any(o.startswith("--layout.language.pp=") for o in rows)
     fixed = ["--data.tokens_per_microbatch=512"] if pp else []  # pipelines need fixed shapes; 0 elsewhere
     return [*model, *rows, *fixed, "--train.dtype=fp32", "--train.global_batch_size=24"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """For bench/run_layouts.sh: `rows WORKLOAD [--small]` prints the row names, `verify WORKLOAD ROW [--small]`
+    the row's `loom verify` overrides, one a line."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.layout_workloads")
+    p.add_argument("what", choices=("rows", "verify"))
+    p.add_argument("workload", choices=tuple(WORKLOADS))
+    p.add_argument("row", nargs="?", default="")
+    p.add_argument("--small", action="store_true")
+    args = p.parse_args(argv)
+    if args.what == "rows":
+        print("\n".join(WORKLOADS[args.workload].rows(args.small)))
+        return 0
+    try:
+        workload_overrides(args.workload, args.row, args.small)  # the same check and message as mm_bench's
+    except ValueError as e:
+        p.error(str(e))
+    print("\n".join(verify_overrides(args.workload, args.row, args.small)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
