@@ -44,10 +44,17 @@ def test_a_row_that_is_not_the_workloads_names_the_choices():
         workload_overrides("long-context", "loom-cp9", small=False)
 
 
+# `loom verify` in CI for the pipelined workload's loom row only (the three-phase step under pp2): a verify costs ~17 s
+# of CPU on 2 ranks; the others' loom layouts (cp2 fan-in, encoders on a rank of their own) are verified in
+# tests/test_parity.py and tests/test_noncolocated.py, and every row's on the GPUs by run_layouts.sh
+VERIFIED_IN_CI = {"pipelined": "loom"}
+
+
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
-def test_small_form_runs_every_row_and_verifies_looms(workload, tmp_path):
-    """bench/run_layouts.sh with SMALL=1: each row trains on 2 gloo ranks, the loom row passes `loom verify`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "SMALL": "1", "VERIFY": "loom"}
+def test_small_form_runs_every_row(workload, tmp_path):
+    """bench/run_layouts.sh with SMALL=1: each row trains on 2 gloo ranks; the pipelined loom row passes verify."""
+    verify = VERIFIED_IN_CI.get(workload, "0")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "SMALL": "1", "VERIFY": verify}
     run = subprocess.run(["bash", "bench/run_layouts.sh", str(tmp_path), workload], capture_output=True, text=True,
                          timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + "".join(p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
@@ -56,7 +63,7 @@ def test_small_form_runs_every_row_and_verifies_looms(workload, tmp_path):
     assert [r["row"] for r in bench] == list(WORKLOADS[workload].small_layouts)
     assert all(r["workload"] == workload and r["tokens_per_s_per_gpu"] > 0 for r in bench)
     assert [(r["row"], r["verify"]) for r in lines if "verify" in r] == [
-        (row, "passed") for row in WORKLOADS[workload].small_layouts if row.startswith("loom-")]
+        (row, "passed") for row in WORKLOADS[workload].small_layouts if row.startswith("loom-") and verify == "loom"]
     if workload == "pipelined":  # --stage-timing: every stage ran each microbatch's forward and backward
         for r in bench:
             t = r["stage_timing"]
