@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch.multiprocessing as mp
 
 from loom.cli import main
