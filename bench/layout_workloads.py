@@ -133,7 +133,7 @@ def workload_overrides(name: str, layout: str, small: bool) -> list[str]:
     if name not in WORKLOADS:
         raise ValueError(f"--workload {name!r}: choose one of {sorted(WORKLOADS)}")
     w = WORKLOADS[name]
-    rows = w.rows(small)
+    rows = {**w.rows(small), "custom": []}  # custom: the layout from mm_bench's --set alone (plan_validate_gpu)
     if layout not in rows:
         raise ValueError(f"--layout {layout!r} is not a row of workload {name!r}{' (--small)' if small else ''}: "
                          f"choose one of {sorted(rows)}")
