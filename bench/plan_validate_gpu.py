@@ -82,7 +82,8 @@ def measure(overrides: list[str], world: int, per_gpu: int, steps: int, workload
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "bench/mm_bench.py", "--steps", str(steps), "--warmup", str(WARMUP)]
     # a workload brings its samples and model; its `custom` row takes the layout from --set alone
-    cmd += ["--workload", workload, "--layout", "custom"] if workload else ["--seq", str(SEQ), "--per-gpu", str(per_gpu)]
+    job = ["--workload", workload, "--layout", "custom"] if workload else ["--seq", str(SEQ), "--per-gpu", str(per_gpu)]
+    cmd += job
     for o in overrides:
         cmd += ["--set", o[2:]]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off on the lent machines
