@@ -179,6 +179,8 @@ def main() -> None:
             write_timeline(profiler, args.timeline.format(rank=rank), rank, windows)
     comm = comm_report(profiler, windows, device) if args.profile or args.comm_report else comm_summary([])
     step_s = sorted(times)[len(times) // 2]
+    if comm.get("compute_s_per_step"):  # each GPU's idle share (non-colocated: the encoder GPUs' against the LLM's)
+        comm["idle_share_per_rank"] = [round(max(0.0, 1 - c / step_s), 4) for c in comm["compute_s_per_step"]]
     busy = {}
     if busy_steps:
         from bench.busy import busy_report, queue_step
