@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unexpected arguments {bad}; overrides look like --train.steps=50")
     launched = "WORLD_SIZE" in os.environ  # under torchrun (or another launcher)
+    if args.command == "train" and args.layout == "auto":  # the search's world: the launcher's, or --gpus
+        if args.gpus is not None and args.gpus < 1:
+            parser.error(f"--gpus {args.gpus}: --layout=auto needs N ≥ 1 ranks")
+        world = int(os.environ["WORLD_SIZE"]) if launched else args.gpus
+        overrides = [*overrides, f"--layout.world_size={world}"] if world else overrides
     world_size = args.world_size if args.command == "plan" else (int(os.environ["WORLD_SIZE"]) if launched else None)
     config = args.config or str(DEFAULT_CONFIG)
     try:
