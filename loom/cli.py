@@ -109,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.layout == "auto":  # the search's world: the launcher's, or --gpus
         if args.gpus is not None and args.gpus < 1:
             parser.error(f"--gpus {args.gpus}: --layout=auto needs N ≥ 1 ranks")
+        from loom.plan_search.auto import neutral_layouts
+
         world = int(os.environ["WORLD_SIZE"]) if launched else args.gpus
-        overrides = [*overrides, f"--layout.world_size={world}"] if world else overrides
+        overrides = [*overrides, *neutral_layouts(args.config or str(DEFAULT_CONFIG), overrides),
+                     *([f"--layout.world_size={world}"] if world else [])]
     world_size = args.world_size if args.command == "plan" else (int(os.environ["WORLD_SIZE"]) if launched else None)
     config = args.config or str(DEFAULT_CONFIG)
     try:

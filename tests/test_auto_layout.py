@@ -44,6 +44,15 @@ def test_no_layout_that_fits_is_a_config_error_naming_the_limit(capsys, tmp_path
     assert "--layout=auto: no layout of" in err and "on 2 ranks" in err and "--gpu-memory 0.001 GiB" in err
 
 
+def test_the_jobs_own_layout_does_not_stop_a_search_on_another_number_of_ranks(capsys, tmp_path):
+    """default.toml's vision tp2 cannot run on 1 rank; --layout=auto replaces it, so the search runs (and here finds
+    nothing under a tiny memory limit, the error naming 1 rank), not a layout error about tp2."""
+    code = main(["train", "--layout=auto", "--gpus", "1", "--gpu-memory", "0.001", "--train.global_batch_size=8",
+                 f"--run.out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == CONFIG_ERROR and "--layout=auto: no layout of" in err and "on 1 rank is" in err, err
+
+
 def _choose(rank: int, port: int, errors) -> None:
     import torch.distributed as dist
 

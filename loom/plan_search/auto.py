@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +41,15 @@ def choose_layout(config: str | None, overrides: list[str], cfg: JobConfig, worl
     result = search(config, overrides, cfg, job_facts(cfg), world, cal, gpu_memory_gib, SEARCHED)
     if not result.ranked:
         limit = (f" within {1 - MEMORY_HEADROOM:.0%} of --gpu-memory {gpu_memory_gib} GiB" if gpu_memory_gib else "")
-        raise ConfigError(f"--layout=auto: no layout of {config or 'the default job'} on {world} ranks is accepted "
-                          f"by loom{limit}; {summary_line(result)}")
+        ranks = f"{world} rank{'s' * (world != 1)}"
+        raise ConfigError(f"--layout=auto: no layout of {config or 'the default job'} on {ranks} is accepted by "
+                          f"loom{limit}; {summary_line(result)}")
     best = result.ranked[0]
     runner_up = next((r for r in result.ranked[1:] if r.candidate.layouts != best.candidate.layouts),
                      result.ranked[1] if len(result.ranked) > 1 else None)
     modules = [*cfg.model.encoders, "language"]
     where = calibration or "H200 figures: pass --calibration FILE (loom plan --calibrate) for this machine's"
-    lines = [f"loom: --layout=auto on {world} ranks ({where}); {summary_line(result)}",
+    lines = [f"loom: --layout=auto on {world} rank{'s' * (world != 1)} ({where}); {summary_line(result)}",
              f"loom: chose      {_describe(best, modules)}"]
     if runner_up is None:
         lines.append("loom: runner-up  none: loom accepts no other layout of this job")
@@ -55,6 +57,16 @@ def choose_layout(config: str | None, overrides: list[str], cfg: JobConfig, worl
         ratio = runner_up.estimate.tokens_per_s / best.estimate.tokens_per_s
         lines.append(f"loom: runner-up  {_describe(runner_up, modules)} ({ratio:.2f}× the chosen)")
     return AutoLayout(best, runner_up, best.candidate.overrides(), lines)
+
+
+def neutral_layouts(config: str | None, overrides: list[str]) -> list[str]:
+    """Overrides that reset each `[layout.<module>]` the config or command line sets to one rank's degrees, so the
+    job's own layout (about to be replaced) cannot fail the first reading on another number of ranks."""
+    data = tomllib.loads(Path(config).read_text()).get("layout", {}) if config else {}
+    named = {o.split(".")[1] for o in overrides if o.startswith("--layout.") and o.count(".") >= 2}
+    modules = sorted(m for m in {*data, *named} if m in ("vision", "audio", "language"))
+    return [f"--layout.{m}.{k}={v}" for m in modules for k, v in
+            (("tp", 1), ("cp", 1), ("pp", 1), ("dp", 0), ("ep", 1), ("ranks", '""'))]
 
 
 def _describe(r: Ranked, modules: list[str]) -> str:
