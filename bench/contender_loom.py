@@ -21,14 +21,16 @@ class LoomContender:
         self.cfg, self.tok, self.model, self.plan, self.optimizer = job.cfg, job.tok, job.model, job.plan, job.optimizer
         self.counters, self.n_params = job.counters, job.n_params
         m = build_job_model(self.cfg, self.tok)  # on meta, whole: the modules' sizes before any split
-        lm, vc, ac = m.language.cfg, m.vision.encoder.cfg, m.audio.encoder.cfg
+        lm, vc = m.language.cfg, m.vision.encoder.cfg
         self.spec = {  # before parallelisation: plain module sizes
             "patch": vc.patch_size,
             "llm": (matmul_params(m.language), lm.num_layers, lm.num_heads * lm.dim_per_head),
             "vision": (matmul_params(m.vision), vc.num_layers, vc.hidden_size),
-            "audio": (matmul_params(m.audio), ac.num_layers, ac.hidden_size),
             "llm_length": len,
         }
+        if "audio" in m.encoder_names:  # the layout workloads run the vision encoder alone
+            ac = m.audio.encoder.cfg
+            self.spec["audio"] = (matmul_params(m.audio), ac.num_layers, ac.hidden_size)
         self._computed, self._real = 0, 0
         self._enc_rows: dict[str, list[int]] = {}  # encoder → [real rows, computed rows] over the run
         fixed = self.cfg.train.compile and self.cfg.data.tokens_per_microbatch  # compiled rows have budgets

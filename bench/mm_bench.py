@@ -34,10 +34,13 @@ from bench.flops import flops_of, peak_matmul_tflops  # noqa: F401 (flops_of: te
 from bench.overlap import comm_summary
 from bench.shapes import AUDIO, LLMS, VIT
 from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile, write_timeline
+from bench.layout_workloads import WORKLOADS, workload_overrides
+from bench.stage_timing import StageTiming
 from bench.workload import SMALL, PackedSteps, Shape
 from loom.job import load_config
 from loom.distributed import init_distributed, shutdown
 from loom.parallel.compile import compiled_frames
+from loom.topology import Topology
 
 SMALL_MOE = ["--model.language.num_experts=8", "--model.language.moe_intermediate_size=32"]
 SMALL_MODEL = ["--model.vision.patch_size=4", "--model.audio.num_features=16"]
@@ -62,9 +65,15 @@ def padded_overrides(args, shape: Shape) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--system", choices=("loom", "hf"), default="loom")
-    p.add_argument("--layout", choices=("homogeneous", "heterogeneous"), default="homogeneous")
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="",
+                   help="issue 51's workloads (bench/layout_workloads.py): data and model shape; --layout names a row")
+    p.add_argument("--layout", default="homogeneous",
+                   help="homogeneous or heterogeneous; with --workload, one of its rows (e.g. one-cp4, loom-cp4)")
+    p.add_argument("--stage-timing", action="store_true",
+                   help="pipelined LLM: time each stage's forward and backward (CUDA events) and report the bubble "
+                        "against (p-1)/(m+p-1) (bench/stage_timing.py)")
     p.add_argument("--format", choices=("thd", "bshd"), default="thd")
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=0, help="tokens per GPU per step (default 4096, or the workload's)")
     p.add_argument("--pad-to", choices=("longest", "step", "seq"), default="longest",
                    help="padded (bshd) rows: fixed to the workload's longest possible sample (rounded up to 64), "
                         "to each step's longest (shapes change), or fixed to --seq tokens")
@@ -96,14 +105,28 @@ def main() -> None:
     device = init_distributed("auto")
     world = dist.get_world_size() if dist.is_initialized() else 1
     gpu = device.type == "cuda"
-    shape = dataclasses.replace(SMALL if args.small else Shape(), images=args.images)
-    per_gpu = args.per_gpu or max(1, SAMPLES_PER_4K * args.seq // 4096)
-    workload = PackedSteps(shape, world, per_gpu, args.seq)
-    if args.small:
-        sizes = SMALL_MODEL + (SMALL_MOE if args.llm.startswith("moe") else [])
+    if args.workload:  # the data and model shape are the workload's; the row's layout is its overrides
+        w = WORKLOADS[args.workload]
+        shape = w.small_shape if args.small else w.shape
+        args.seq = args.seq or (w.small_seq if args.small else w.seq)
+        per_gpu = args.per_gpu or (w.small_per_gpu if args.small else w.per_gpu)
+        try:
+            sizes = workload_overrides(args.workload, args.layout, args.small)
+        except ValueError as e:
+            p.error(str(e))
     else:
-        sizes = LLMS[args.llm] + VIT + AUDIO
-    cfg = load_config(None, sizes + layout_overrides(args.layout, world) + [
+        if args.layout not in ("homogeneous", "heterogeneous"):
+            p.error(f"--layout {args.layout!r} without --workload: homogeneous or heterogeneous")
+        args.seq = args.seq or 4096
+        shape = dataclasses.replace(SMALL if args.small else Shape(), images=args.images)
+        per_gpu = args.per_gpu or max(1, SAMPLES_PER_4K * args.seq // 4096)
+        if args.small:
+            sizes = SMALL_MODEL + (SMALL_MOE if args.llm.startswith("moe") else [])
+        else:
+            sizes = LLMS[args.llm] + VIT + AUDIO
+        sizes += layout_overrides(args.layout, world)
+    workload = PackedSteps(shape, world, per_gpu, args.seq)
+    cfg = load_config(None, sizes + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
         *padded_overrides(args, shape),
         f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000",
@@ -113,6 +136,12 @@ def main() -> None:
     else:
         from bench.contender_hf import HFContender as Contender
     contender = Contender(cfg, device, workload)
+    timing = None
+    if args.stage_timing:
+        pp = Topology.plan(cfg, world).placement.layouts["language"].pp
+        if pp < 2 or args.system != "loom":
+            p.error(f"--stage-timing times a pipelined loom LLM; this row has layout.language.pp = {pp}")
+        timing = StageTiming(gpu, pp, cfg.train.microbatches, cfg.parallel.pp_schedule)
     if args.adam == "foreach":
         for group in contender.optimizer.param_groups:  # before the first step: its state follows suit
             group.update(fused=None, foreach=True)
@@ -125,6 +154,8 @@ def main() -> None:
     for step in range(total):
         if step == args.warmup and (args.profile or args.comm_report):
             profiler = start_profiler(gpu, full=bool(args.profile))  # every rank: comm_report gathers from each
+        if step == args.warmup and timing is not None:
+            timing.measuring = True
         if step == args.warmup and args.sync_debug:
             print_sync_stacks()
             torch.cuda.set_sync_debug_mode(args.sync_debug)
@@ -148,6 +179,8 @@ def main() -> None:
             write_timeline(profiler, args.timeline.format(rank=rank), rank, windows)
     comm = comm_report(profiler, windows, device) if args.profile or args.comm_report else comm_summary([])
     step_s = sorted(times)[len(times) // 2]
+    if comm.get("compute_s_per_step"):  # each GPU's idle share (non-colocated: the encoder GPUs' against the LLM's)
+        comm["idle_share_per_rank"] = [round(max(0.0, 1 - c / step_s), 4) for c in comm["compute_s_per_step"]]
     busy = {}
     if busy_steps:
         from bench.busy import busy_report, queue_step
@@ -155,6 +188,7 @@ def main() -> None:
         busy = busy_report([lambda s=s: queue_step(c.plan, c.model, c.optimizer, inputs[s], c.cfg, s)
                             for s in range(total, total + busy_steps)], step_s)
     measured = range(args.warmup, total)
+    bubble = timing.report() if timing is not None else {}  # every rank: it gathers
     real_tokens = sum(contender.llm_tokens(s) for s in measured) / len(measured)
     flops = sum(contender.flops(s) for s in measured) / len(measured)
     tflops = flops / step_s / world / 1e12
@@ -167,7 +201,9 @@ def main() -> None:
             "samples_per_gpu": per_gpu,
             "pad_to": args.pad_to if args.format == "bshd" or args.system == "hf" else None, "adam": args.adam,
             "padded_length": cfg.data.padded_length or None,
-            "llm": args.llm, "images_per_sample": args.images, **placement_of(contender),
+            "workload": args.workload or None, "llm": None if args.workload else args.llm,
+            "images_per_sample": shape.images, "images_per_sample_max": max(shape.images, shape.images_max),
+            **placement_of(contender),
             "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(real_tokens / step_s / world, 1),
             "tflops_per_gpu": round(tflops, 1), "peak_matmul_tflops": round(peak, 1),
@@ -177,6 +213,7 @@ def main() -> None:
             "encoder_padding": getattr(contender, "encoder_padding", dict)(),  # filler rows under row budgets
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
+            **bubble,  # --stage-timing: each pipeline rank's bubble against (p-1)/(m+p-1)
             **busy,  # --busy: the GPU's busy fraction by CUDA events
             **comm,  # --comm-report or --profile: exposed communication and rank skew (bench/profiling.py)
             "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),

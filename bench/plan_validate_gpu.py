@@ -37,9 +37,20 @@ def mm_config_overrides(world: int, per_gpu: int) -> list[str]:
             f"--train.global_batch_size={world * per_gpu}", "--data.train_size=1000000"]
 
 
+def workload_job(name: str, world: int) -> tuple[list[str], object, int, int]:
+    """An issue-51 workload (bench/layout_workloads.py) as the search sees it: its model in mm_bench's config, its
+    samples' shape, per_gpu and seq."""
+    from bench.layout_workloads import WORKLOADS
+
+    w = WORKLOADS[name]
+    return ([*w.model, "--data.format=thd", "--train.dtype=bf16", f"--train.global_batch_size={world * w.per_gpu}",
+             "--data.train_size=1000000"], w.shape, w.per_gpu, w.seq)
+
+
 def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top: int,
-             gpu_memory_gib: float | None = None) -> tuple[list, object]:
-    """The search's `top` layouts for mm_bench's job on `world` GPUs, priced on the measured steps' samples."""
+             gpu_memory_gib: float | None = None, workload: str = "") -> tuple[list, object]:
+    """The search's `top` layouts for mm_bench's job (or `workload`'s) on `world` GPUs, priced on the measured
+    steps' samples."""
     from bench.workload import PackedSteps, Shape
     from loom.job import load_config
     from loom.plan_search.calibration import load_calibration
@@ -49,26 +60,30 @@ def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top:
     from loom.train.job_data import job_tokenizer, with_vocabulary
     from loom.train.job_model import build_job_model, token_counters
 
-    overrides = mm_config_overrides(world, per_gpu)
+    overrides, shape, seq = mm_config_overrides(world, per_gpu), Shape(), SEQ
+    if workload:
+        overrides, shape, per_gpu, seq = workload_job(workload, world)
     cfg = load_config(None, overrides, world)
     tok = job_tokenizer(cfg)
     model = build_job_model(with_vocabulary(cfg, tok), tok)  # on meta: sizes only
     counters = token_counters(model)
-    packed = PackedSteps(Shape(), world, per_gpu, SEQ)  # mm_bench's own samples, step by step
+    packed = PackedSteps(shape, world, per_gpu, seq)  # mm_bench's own samples, step by step
     drawn = []
     for step in range(WARMUP, WARMUP + steps):
         samples = packed.global_batch(step)
         drawn.append(Workload(tuple(len(s) for s in samples),
                               {n: tuple(cnt(i) for s in samples for i in s.items(n)) for n, cnt in counters.items()}))
-    facts = JobFacts(module_sizes(model), tuple(drawn), {"mm_bench samples": Shape().longest})
+    facts = JobFacts(module_sizes(model), tuple(drawn), {"mm_bench samples": shape.longest})
     result = search(None, overrides, cfg, facts, world, load_calibration(calibration), gpu_memory_gib, top)
     return result.ranked, result
 
 
-def measure(overrides: list[str], world: int, per_gpu: int, steps: int) -> dict:
+def measure(overrides: list[str], world: int, per_gpu: int, steps: int, workload: str = "") -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "bench/mm_bench.py", "--seq", str(SEQ), "--per-gpu", str(per_gpu), "--steps", str(steps),
-           "--warmup", str(WARMUP)]
+           "bench/mm_bench.py", "--steps", str(steps), "--warmup", str(WARMUP)]
+    # a workload brings its samples and model; its `custom` row takes the layout from --set alone
+    job = ["--workload", workload, "--layout", "custom"] if workload else ["--seq", str(SEQ), "--per-gpu", str(per_gpu)]
+    cmd += job
     for o in overrides:
         cmd += ["--set", o[2:]]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off on the lent machines
@@ -91,16 +106,20 @@ def main() -> None:
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                    help="leave out layouts predicted to need more per GPU (as loom plan --search)")
     p.add_argument("--predict-only", action="store_true", help="print the proposed layouts; measure nothing")
+    p.add_argument("--workload", default="", help="an issue-51 workload (bench/layout_workloads.py) in place of the "
+                                                  "2B job (its own samples per GPU and seq)")
     p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args()
-    ranked, result = proposed(args.gpus, args.calibration, args.per_gpu, args.steps, args.top, args.gpu_memory)
+    ranked, result = proposed(args.gpus, args.calibration, args.per_gpu, args.steps, args.top, args.gpu_memory,
+                              args.workload)
     print(summary_line(result), flush=True)
     if len(ranked) < args.top:
         print(f"the search proposes {len(ranked)} layouts on {args.gpus} GPUs, fewer than --top {args.top}")
     done = []
     for i, r in enumerate(ranked):
         c, e = r.candidate, r.estimate
-        row = {"bench": "plan_validate_gpu", "gpus": args.gpus, "rank_predicted": i + 1,
+        row = {"bench": "plan_validate_gpu", "workload": args.workload or "2b", "gpus": args.gpus,
+               "rank_predicted": i + 1,
                "layout": " | ".join(f"{n} {c.describe(n)}" for n in c.layouts) + f" M{c.microbatches}"
                          + (f" T{c.tokens_per_microbatch}" if c.tokens_per_microbatch else ""),
                "calibration": args.calibration or "H200 defaults", "predicted_step_s": e.step_s,
@@ -108,7 +127,7 @@ def main() -> None:
                "predicted_memory_gib": e.memory_bytes / 2**30,
                "predicted_terms_ms": {k: round(v * 1e3, 2) for k, v in e.seconds.items()}, "overrides": c.overrides()}
         if not args.predict_only:
-            got = measure(c.overrides(), args.gpus, args.per_gpu, args.steps)
+            got = measure(c.overrides(), args.gpus, args.per_gpu, args.steps, args.workload)
             row.update({"measured_step_s": got.get("step_s"), "measured_step_times": got.get("step_times"),
                         "measured_tokens_per_s_per_gpu": got.get("tokens_per_s_per_gpu"),
                         "measured_peak_gib": got.get("peak_mem_gib"), "device": got.get("device"),

@@ -18,16 +18,18 @@ class Shape:
     patch: int = 14
     image_px: tuple[int, int] = (224, 448)  # image sides: 256–1024 patches at patch 14
     text: tuple[int, int] = (64, 1024)
-    audio_every: int = 4  # one sample in this many carries a clip
+    audio_every: int = 4  # one sample in this many carries a clip (0: none)
     audio_frames: tuple[int, int] = (200, 600)  # mel frames (100 per second): 100–300 tokens after the conv
     mels: int = 80
     images: int = 1  # images per sample (more: an encoder-heavy workload)
+    images_max: int = 0  # > images: each sample draws its count from [images, images_max] (video-like)
 
     @property
     def longest(self) -> int:
         """The longest sample `sample` can draw (<bos>, the largest image's patches, the longest clip after
         the stride-2 conv, the longest text): known before any step, as a loom task's longest sample."""
-        return 1 + self.images * (self.image_px[1] // self.patch) ** 2 + self.audio_frames[1] // 2 + self.text[1] - 1
+        clip = self.audio_frames[1] // 2 if self.audio_every else 0
+        return 1 + max(self.images, self.images_max) * (self.image_px[1] // self.patch) ** 2 + clip + self.text[1] - 1
 
 
 SMALL = Shape(patch=4, image_px=(16, 32), text=(8, 48), audio_frames=(8, 24), mels=16)
@@ -35,10 +37,11 @@ SMALL = Shape(patch=4, image_px=(16, 32), text=(8, 48), audio_frames=(8, 24), me
 
 def sample(rng: np.random.Generator, shape: Shape, tok: ByteTokenizer) -> Sample:
     side = lambda: int(rng.integers(shape.image_px[0], shape.image_px[1] + 1)) // shape.patch * shape.patch  # noqa: E731
-    sizes = [(side(), side()) for _ in range(shape.images)]
+    count = int(rng.integers(shape.images, shape.images_max + 1)) if shape.images_max > shape.images else shape.images
+    sizes = [(side(), side()) for _ in range(count)]
     images = [torch.from_numpy(rng.standard_normal((3, h, w), dtype=np.float32)) for h, w in sizes]
     clips = []
-    if rng.integers(shape.audio_every) == 0:
+    if shape.audio_every and rng.integers(shape.audio_every) == 0:
         frames = int(rng.integers(*shape.audio_frames))
         clips = [torch.from_numpy(rng.standard_normal((shape.mels, frames), dtype=np.float32))]
     text = rng.integers(0, 256, int(rng.integers(*shape.text))).tolist()
@@ -55,6 +58,8 @@ class PackedSteps:
     def __init__(self, shape: Shape, replicas: int, per_replica: int, seq: int, seed: int = 0) -> None:
         self.shape, self.replicas, self.per_replica, self.seq, self.seed = shape, replicas, per_replica, seq, seed
         self.tok = ByteTokenizer()
+        self.dataset = None  # no files behind the samples: loom names them by index
+        self.dropped: frozenset[int] = frozenset()  # nor is any ever found bad and dropped
 
     def global_batch(self, step: int) -> list[Sample]:
         if getattr(self, "_cached", (None,))[0] == step:  # the LLM and each encoder read the same step
@@ -73,10 +78,8 @@ class PackedSteps:
     def indices(self, step: int) -> list[int]:
         return list(range(self.replicas * self.per_replica))
 
-    # what loom's step reads of its GlobalBatches (loom/data/loader.py): the samples' shapes, then each sample
-    dataset, dropped = None, frozenset()
-
-    def shapes(self, step: int, counters: dict) -> list[tuple[SampleShape]]:
+    def shapes(self, step: int, counters: dict) -> list[tuple[SampleShape, ...]]:
+        """loom plans a step from its samples' shapes (data/loader.py's GlobalBatches does the same)."""
         return [(shape_of(s, counters),) for s in self.global_batch(step)]
 
     def item(self, step: int, i: int) -> Sample:

@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (defaults: the tiny vision+audio+text model on CPU)")
     train.add_argument("config", nargs="?", help="TOML job config; omitted: loom's default job (loom/default.toml)")
+    train.add_argument("--layout", choices=["auto"], default=None,
+                       help="auto: the layout `loom plan --search` predicts fastest, chosen before any model is built")
+    train.add_argument("--gpus", type=int, default=None, help="--layout=auto: ranks (default: layout.world_size)")
+    train.add_argument("--calibration", default=None, metavar="FILE",
+                       help="--layout=auto: this machine's rates (measured into FILE first if it does not exist)")
+    train.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                       help="--layout=auto: leave out layouts predicted over 80%% of it per GPU")
     verify = sub.add_parser("verify", help="run the layout and the one-process reference side by side and compare")
     verify.add_argument("config", nargs="?", help="TOML job config; omitted: loom's default job")
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
@@ -99,12 +106,23 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unexpected arguments {bad}; overrides look like --train.steps=50")
     launched = "WORLD_SIZE" in os.environ  # under torchrun (or another launcher)
+    if args.command == "train" and args.layout == "auto":  # the search's world: the launcher's, or --gpus
+        if args.gpus is not None and args.gpus < 1:
+            parser.error(f"--gpus {args.gpus}: --layout=auto needs N ≥ 1 ranks")
+        from loom.plan_search.auto import neutral_layouts
+
+        world = int(os.environ["WORLD_SIZE"]) if launched else args.gpus
+        overrides = [*overrides, *neutral_layouts(args.config or str(DEFAULT_CONFIG), overrides),
+                     *([f"--layout.world_size={world}"] if world else [])]
     world_size = args.world_size if args.command == "plan" else (int(os.environ["WORLD_SIZE"]) if launched else None)
     config = args.config or str(DEFAULT_CONFIG)
     try:
         cfg = load_config(config, overrides, world_size)
         if args.command == "plan":
             return _search(config, overrides, cfg, args) if args.search else _plan(cfg, args)
+        if args.command == "train" and args.layout == "auto":
+            overrides, cfg = _auto_layout(config, overrides, cfg, args, launched)
+            world_size = int(os.environ["WORLD_SIZE"]) if launched else None
         if not launched and cfg.layout.world_size > 1 and _ranks_on_cpu(cfg, args.command):
             overrides = [*overrides, CPU_RANKS_OVERRIDE]
             cfg = load_config(config, overrides, world_size)  # as the ranks will read it: checked on CPU too
@@ -186,6 +204,10 @@ def _run(args, cfg) -> int:
             return 0
         from loom.train.trainer import Trainer
 
+        if getattr(args, "auto_overrides", None):  # every rank searched alone: prove they chose alike
+            from loom.plan_search.auto import agree_on_choice
+
+            agree_on_choice(args.auto_overrides, device or torch.device("cpu"))
         Trainer(cfg, device).run()
         return 0
     except CollectiveStalled as e:
@@ -288,6 +310,25 @@ def _search(config: str, overrides: list[str], cfg, args) -> int:
     path = write_chosen(args.out or default_output(args.config), chosen_config_text(config, overrides, best, chosen))
     console.print(f"best layout written to {path}: loom train {path}")
     return 0
+
+
+def _auto_layout(config: str, overrides: list[str], cfg, args, launched: bool):
+    """--layout=auto: the search's best layout appended to the overrides (printed by one process: this one, or
+    rank 0 of a launch, where every rank searches alike), and the config reloaded with it."""
+    from loom.plan_search.auto import choose_layout, write_auto_config
+
+    world = int(os.environ["WORLD_SIZE"]) if launched else (args.gpus or cfg.layout.world_size or 1)
+    if args.calibration and not os.path.exists(args.calibration) and not launched:
+        if _calibrate(world, args.calibration) != 0:
+            raise ConfigError(f"--layout=auto: measuring this machine into {args.calibration} failed")
+    auto = choose_layout(config, overrides, cfg, world, args.calibration, args.gpu_memory)
+    overrides = [*overrides, *auto.overrides]
+    cfg = load_config(config, overrides, world if launched else None)
+    if int(os.environ.get("RANK", "0")) == 0:
+        path = write_auto_config(config, overrides[: len(overrides) - len(auto.overrides)], auto, cfg)
+        print("\n".join([*auto.lines, f"loom: the chosen layout as a config: {path}"]), file=sys.stderr, flush=True)
+    args.auto_overrides = auto.overrides if launched else None
+    return overrides, cfg
 
 
 def _calibrate(gpus: int, out: str) -> int:
