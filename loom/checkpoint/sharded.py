@@ -1,10 +1,11 @@
 """Sharded checkpoints: every rank writes only its own shards, and any layout reads them back (reshard).
 
-torch.distributed.checkpoint (DCP) plans and reshards; its Hugging Face storage writes safetensors files (one
-per rank, each shard's offsets in the file's JSON header), so loading runs no code from the file — DCP's
-default FileSystemReader unpickles its metadata file. loom writes them with its own StreamingHFWriter
+torch.distributed.checkpoint (DCP) plans and reshards; its Hugging Face storage format is safetensors files (each
+shard's offsets in the file's JSON header), so loading runs no code from the file — DCP's default
+FileSystemReader unpickles its metadata file. loom writes them with its own StreamingHFWriter
 (writer.py: the same files, streamed, a rank's shards split over WRITE_THREADS files written at once) and reads
-them with torch's HuggingFaceStorageReader, one thread per file up to READ_THREADS. The state is tensors only, keyed as on one process:
+them with torch's HuggingFaceStorageReader, one thread per file up to READ_THREADS.
+The state is tensors only, keyed as on one process:
   model.<name>                 parameters and persistent buffers (a tied weight under its first name)
   optim.<name>.exp_avg|exp_avg_sq|step   AdamW's moments and step count
 Progress (step, config, world) goes to state.json, each rank's RNG state to rng-rank-R.safetensors.
