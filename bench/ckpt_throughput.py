@@ -11,7 +11,8 @@ on the H200 machine, 2026-11-27). `--threads 1,4` measures each count; without i
     PYTHONPATH=. python bench/ckpt_throughput.py --out /tmp/ckpt --gib 1  # the CPU form at about 1 GiB
 
 One JSON line per mode: GiB, seconds until the call returns, seconds until the bytes are on
-disk (`os.sync`), seconds to load, and GiB/s of each; then one line for dd.
+disk (`os.sync`), seconds to load, GiB/s of each, and the process's CPU seconds for each (all threads: the copies
+a writer makes); then one line for dd.
 """
 
 from __future__ import annotations
@@ -60,25 +61,26 @@ def save_and_load(trainer: Trainer, out: Path, run_async: bool, threads: int | N
     path = out / ("async" if run_async else "sync")
     shutil.rmtree(path, ignore_errors=True)
     _drop_caches()  # the last row's dirty pages are not this row's to write
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     pending = begin_save(path, trainer.model, trainer.optimizer, trainer.weight_aliases, trainer.step, {},
                          trainer.save_group, run_async, **({} if threads is None else {"threads": threads}))
     returned = time.perf_counter() - t0
     pending.finish()
     written = time.perf_counter() - t0
     os.sync()
-    durable = time.perf_counter() - t0
+    durable, cpu = time.perf_counter() - t0, time.process_time() - c0
     gib, files = _gib(path), len(list(path.glob("*model-*.safetensors")))
     dropped = _drop_caches()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     load_sharded(path, trainer.model, trainer.optimizer, trainer.weight_aliases)
-    loaded = time.perf_counter() - t0
+    loaded, load_cpu = time.perf_counter() - t0, time.process_time() - c0
     shutil.rmtree(path, ignore_errors=True)
     return {"bench": "ckpt_throughput", "async_save": run_async, "threads": threads, "gib": round(gib, 3),
             "files": files,
             "returned_s": round(returned, 3), "written_s": round(written, 3), "durable_s": round(durable, 3),
-            "write_gib_per_s": round(gib / durable, 3), "load_s": round(loaded, 3),
-            "read_gib_per_s": round(gib / loaded, 3), "page_cache_dropped": dropped}
+            "write_gib_per_s": round(gib / durable, 3), "write_cpu_s": round(cpu, 3),
+            "load_s": round(loaded, 3), "read_gib_per_s": round(gib / loaded, 3), "load_cpu_s": round(load_cpu, 3),
+            "page_cache_dropped": dropped}
 
 
 def dd_rate(out: Path, gib: float) -> dict:
@@ -103,6 +105,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true")
     p.add_argument("--gib", type=float, help="the CPU form at about this many GiB of checkpoint")
     p.add_argument("--threads", help="comma-separated writer threads per rank to measure (default: loom's)")
+    p.add_argument("--repeat", type=int, default=1, help="rows of each kind, one after another (a noisy machine)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +117,7 @@ def main() -> None:
     trainer = Trainer(cfg)
     trainer.train_step()  # the optimizer's moments exist: a checkpoint of its full size
     for threads in [int(t) for t in args.threads.split(",")] if args.threads else [None]:
-        for run_async in (False, True):
+        for run_async in [False] * args.repeat + [True] * args.repeat:
             row = save_and_load(trainer, out, run_async, threads)
             print(json.dumps({**row, "device": torch.cuda.get_device_name() if gpu else "cpu"}), flush=True)
     print(json.dumps(dd_rate(out, row["gib"])), flush=True)

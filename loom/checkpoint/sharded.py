@@ -18,6 +18,7 @@ layout without the copy (or with it) reads the same file.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import warnings
@@ -183,14 +184,20 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[st
     state.forget_optimizer_state_not_in(saved)
     check_against(path, saved, state.tensors)
     with _quiet_single_process():
-        dcp.load(state.tensors, storage_reader=HuggingFaceStorageReader(str(path), thread_count=READ_THREADS),
-                 no_dist=not _distributed())
+        dcp.load(state.tensors, storage_reader=_reader(path), no_dist=not _distributed())
     state.apply()
     rng = path / f"rng-rank-{dist.get_rank() if _distributed() else 0}.safetensors"
     world = dist.get_world_size() if _distributed() else 1
     if info.get("world_size") == world and rng.is_file():  # another world size: ranks do not map one to one
         _set_rng_state(load_file(rng))
     return info
+
+
+def _reader(path: Path) -> HuggingFaceStorageReader:
+    """torch's reader, one thread per file (up to READ_THREADS) where this torch's reader takes a thread count."""
+    if "thread_count" in inspect.signature(HuggingFaceStorageReader.__init__).parameters:
+        return HuggingFaceStorageReader(str(path), thread_count=READ_THREADS)
+    return HuggingFaceStorageReader(str(path))
 
 
 def read_state(path: Path) -> dict:
