@@ -90,6 +90,7 @@ def header(items: list[WriteItem], version: str) -> tuple[bytes, list[tuple[Writ
     return struct.pack("<Q", len(text)) + text, ranges
 
 
+# torch's own is not enough: it serialises a rank's whole file in memory before writing it, as one file (above)
 class StreamingHFWriter(HuggingFaceStorageWriter):
     """HuggingFaceStorageWriter whose `write_data` streams (module docstring): everything else — plans, the
     shard index in each rank's file names, `finish`, async staging — is torch's."""
@@ -102,6 +103,7 @@ class StreamingHFWriter(HuggingFaceStorageWriter):
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:  # torch's HF writer would corrupt the file with it too
                 raise TypeError(f"{item.index.fqn}: only tensors go into a safetensors checkpoint")
+        # torch's prepare_global_plan numbers the ranks' plans (save_distributed); test_ckpt_writer checks the names
         shard = (plan.storage_data or {}).get("shard_index")
         groups = split_by_size(plan.items, self.threads) if plan.items else []
         jobs = [(file_name(i, len(groups), shard), group) for i, group in enumerate(groups, start=1)]
