@@ -105,8 +105,6 @@ class StreamingHFWriter(HuggingFaceStorageWriter):
                 raise TypeError(f"{item.index.fqn}: only tensors go into a safetensors checkpoint")
         # torch's prepare_global_plan numbers the ranks' plans (save_distributed); test_ckpt_writer checks the names
         shard = (plan.storage_data or {}).get("shard_index")
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # whatever stream wrote the tensors, they are final before a thread copies them
         groups = split_by_size(plan.items, self.threads) if plan.items else []
         jobs = [(file_name(i, len(groups), shard), group) for i, group in enumerate(groups, start=1)]
         if len(jobs) <= 1:
@@ -161,6 +159,8 @@ class _Staging:
         self.device, self.cuda = device, device.type == "cuda"
         self.bufs = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # whatever stream wrote the tensors, they are final before a copy (sync saves only: async
+            torch.cuda.synchronize(device)  # ones hand this writer host copies, so training never waits here)
 
     def host_chunks(self, flat: torch.Tensor) -> Iterator[memoryview]:
         """`flat`'s bytes in order, as views of the buffers; each is valid until the next is asked for."""
