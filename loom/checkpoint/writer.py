@@ -79,6 +79,8 @@ def header(items: list[WriteItem], version: str) -> tuple[bytes, list[tuple[Writ
         dtype, sizes = item.tensor_data.properties.dtype, list(item.tensor_data.chunk.sizes)
         if dtype not in _DTYPES:
             raise TypeError(f"{item.index.fqn}: the checkpoint writer has no safetensors name for {dtype}")
+        if item.index.fqn in entries:  # a file's header holds one entry per name (torch's writer: the same)
+            raise ValueError(f"{item.index.fqn}: two chunks of one tensor on one rank")
         n = _nbytes(item)
         entries[item.index.fqn] = {"dtype": _DTYPES[dtype], "shape": sizes, "data_offsets": [at, at + n]}
         sharding[item.index.fqn] = {OFFSETS_KEY: list(item.tensor_data.chunk.offsets)}
