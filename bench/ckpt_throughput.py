@@ -2,15 +2,17 @@
 and async, against the disk's own rate (`dd` of as many bytes, written with fsync and read back with the page
 cache dropped where the machine lets us).
 
-Threads: torch's HuggingFaceStorageWriter/Reader take a `thread_count`, but they share work out by file, and a
-rank's shards are one file: 1 and 8 threads wrote 0.30 and 0.33 GiB/s here (H200 machine, 2026-11-27), so loom
-does not set it, and this bench no longer asks.
+Threads: loom's StreamingHFWriter splits a rank's shards over `threads` files written at once (torch's own HF
+writer put them in one file, so its `thread_count` had nothing to share: 0.30 and 0.33 GiB/s with 1 and 8 threads
+on the H200 machine, 2026-11-27). `--threads 1,4` measures each count; without it, loom's default.
 
     PYTHONPATH=. python bench/ckpt_throughput.py --out /tmp/ckpt          # one GPU, the 2B job
-    PYTHONPATH=. python bench/ckpt_throughput.py --out /tmp/ckpt --small  # the CPU form
+    PYTHONPATH=. python bench/ckpt_throughput.py --out /tmp/ckpt --small  # the CPU form (a few MiB)
+    PYTHONPATH=. python bench/ckpt_throughput.py --out /tmp/ckpt --gib 1  # the CPU form at about 1 GiB
 
 One JSON line per mode: GiB, seconds until the call returns, seconds until the bytes are on
-disk (`os.sync`), seconds to load, and GiB/s of each; then one line for dd.
+disk (`os.sync`), seconds to load, GiB/s of each, and the process's CPU seconds for each (all threads: the copies
+a writer makes); then one line for dd.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ from loom.train.trainer import Trainer
 
 SMALL = ["--model.language.hidden_size=64", "--model.language.num_layers=2", "--model.language.num_heads=4",
          "--model.language.num_kv_heads=2", "--model.language.intermediate_size=128"]
+LAYER_GIB = 0.17  # one layer of width 1024 (MLP 4096), fp32 weights and AdamW's two moments: 15.2M × 12 bytes
+
+
+def sized(gib: float) -> list[str]:
+    """The small form's LLM made about `gib` GiB of checkpoint: layers of width 1024, as many as it takes."""
+    return ["--model.language.hidden_size=1024", "--model.language.num_heads=8", "--model.language.num_kv_heads=2",
+            "--model.language.intermediate_size=4096", f"--model.language.num_layers={max(1, round(gib / LAYER_GIB))}"]
 
 
 def _drop_caches() -> bool:
@@ -48,27 +57,30 @@ def _gib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
 
 
-def save_and_load(trainer: Trainer, out: Path, run_async: bool) -> dict:
+def save_and_load(trainer: Trainer, out: Path, run_async: bool, threads: int | None) -> dict:
     path = out / ("async" if run_async else "sync")
     shutil.rmtree(path, ignore_errors=True)
-    t0 = time.perf_counter()
+    _drop_caches()  # the last row's dirty pages are not this row's to write
+    t0, c0 = time.perf_counter(), time.process_time()
     pending = begin_save(path, trainer.model, trainer.optimizer, trainer.weight_aliases, trainer.step, {},
-                         trainer.save_group, run_async)
+                         trainer.save_group, run_async, **({} if threads is None else {"threads": threads}))
     returned = time.perf_counter() - t0
     pending.finish()
     written = time.perf_counter() - t0
     os.sync()
-    durable = time.perf_counter() - t0
-    gib = _gib(path)
+    durable, cpu = time.perf_counter() - t0, time.process_time() - c0
+    gib, files = _gib(path), len(list(path.glob("*model-*.safetensors")))
     dropped = _drop_caches()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     load_sharded(path, trainer.model, trainer.optimizer, trainer.weight_aliases)
-    loaded = time.perf_counter() - t0
+    loaded, load_cpu = time.perf_counter() - t0, time.process_time() - c0
     shutil.rmtree(path, ignore_errors=True)
-    return {"bench": "ckpt_throughput", "async_save": run_async, "gib": round(gib, 3),
+    return {"bench": "ckpt_throughput", "async_save": run_async, "threads": threads, "gib": round(gib, 3),
+            "files": files,
             "returned_s": round(returned, 3), "written_s": round(written, 3), "durable_s": round(durable, 3),
-            "write_gib_per_s": round(gib / durable, 3), "load_s": round(loaded, 3),
-            "read_gib_per_s": round(gib / loaded, 3), "page_cache_dropped": dropped}
+            "write_gib_per_s": round(gib / durable, 3), "write_cpu_s": round(cpu, 3),
+            "load_s": round(loaded, 3), "read_gib_per_s": round(gib / loaded, 3), "load_cpu_s": round(load_cpu, 3),
+            "page_cache_dropped": dropped}
 
 
 def dd_rate(out: Path, gib: float) -> dict:
@@ -91,18 +103,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--gib", type=float, help="the CPU form at about this many GiB of checkpoint")
+    p.add_argument("--threads", help="comma-separated writer threads per rank to measure (default: loom's)")
+    p.add_argument("--repeat", type=int, default=1, help="rows of each kind, one after another (a noisy machine)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.is_available()
-    cfg = load_config(None, (SMALL if args.small else LLM + VIT + AUDIO) + [
+    shape = sized(args.gib) if args.gib else SMALL if args.small else LLM + VIT + AUDIO
+    cfg = load_config(None, shape + [
         f"--run.out_dir={out / 'run'}", "--run.tensorboard=false", "--run.progress=false", "--train.steps=1",
         f"--train.dtype={'bf16' if gpu else 'fp32'}", "--train.global_batch_size=4"])
     trainer = Trainer(cfg)
     trainer.train_step()  # the optimizer's moments exist: a checkpoint of its full size
-    for run_async in (False, True):
-        row = save_and_load(trainer, out, run_async)
-        print(json.dumps({**row, "device": torch.cuda.get_device_name() if gpu else "cpu"}), flush=True)
+    for threads in [int(t) for t in args.threads.split(",")] if args.threads else [None]:
+        for run_async in [False] * args.repeat + [True] * args.repeat:
+            row = save_and_load(trainer, out, run_async, threads)
+            print(json.dumps({**row, "device": torch.cuda.get_device_name() if gpu else "cpu"}), flush=True)
     print(json.dumps(dd_rate(out, row["gib"])), flush=True)
 
 

@@ -1,8 +1,11 @@
 """Sharded checkpoints: every rank writes only its own shards, and any layout reads them back (reshard).
 
-torch.distributed.checkpoint (DCP) plans and reshards; its Hugging Face storage writes safetensors files (one
-per rank, each shard's offsets in the file's JSON header), so loading runs no code from the file — DCP's
-default FileSystemReader unpickles its metadata file. The state is tensors only, keyed as on one process:
+torch.distributed.checkpoint (DCP) plans and reshards; its Hugging Face storage format is safetensors files (each
+shard's offsets in the file's JSON header), so loading runs no code from the file — DCP's default
+FileSystemReader unpickles its metadata file. loom writes them with its own StreamingHFWriter
+(writer.py: the same files, streamed, a rank's shards split over WRITE_THREADS files written at once) and reads
+them with torch's HuggingFaceStorageReader, one thread per file up to READ_THREADS.
+The state is tensors only, keyed as on one process:
   model.<name>                 parameters and persistent buffers (a tied weight under its first name)
   optim.<name>.exp_avg|exp_avg_sq|step   AdamW's moments and step count
 Progress (step, config, world) goes to state.json, each rank's RNG state to rng-rank-R.safetensors.
@@ -15,6 +18,7 @@ layout without the copy (or with it) reads the same file.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import warnings
@@ -25,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,8 +39,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from loom.checkpoint.writer import StreamingHFWriter
+
 MODEL, OPTIM = "model.", "optim."
 STATE_FILE = "state.json"
+WRITE_THREADS = READ_THREADS = 4  # files per rank, each written (read) by its own thread: bench/RESULTS.md, issue 50
 
 
 class CheckpointError(ValueError):
@@ -144,17 +151,18 @@ class PendingSave:
 
 
 def begin_save(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str], step: int, extra: dict,
-               async_group: dist.ProcessGroup | None = None, run_async: bool = False) -> PendingSave:
+               async_group: dist.ProcessGroup | None = None, run_async: bool = False,
+               threads: int = WRITE_THREADS) -> PendingSave:
     """Collective: every rank writes its shards (and its RNG state) into `path`; `PendingSave.finish`
     completes the folder. `run_async`: the shards are copied to host memory now and written by a background
     thread while training goes on (dcp.async_save), its collectives on `async_group` (a gloo group of
-    every rank: the training's own groups stay the main thread's)."""
+    every rank: the training's own groups stay the main thread's). `threads`: files per rank, written at once."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if _distributed() else 0
     save_file(_rng_state(), path / f"rng-rank-{rank}.safetensors")
     state = ShardedState(model, optimizer, aliases, saving=True)
-    writer = HuggingFaceStorageWriter(str(path), save_distributed=_distributed())
+    writer = StreamingHFWriter(str(path), save_distributed=_distributed(), threads=threads)
     with _quiet_single_process():
         if run_async:
             future = dcp.async_save(state.tensors, storage_writer=writer, process_group=async_group,
@@ -176,13 +184,20 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer, aliases: dict[st
     state.forget_optimizer_state_not_in(saved)
     check_against(path, saved, state.tensors)
     with _quiet_single_process():
-        dcp.load(state.tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not _distributed())
+        dcp.load(state.tensors, storage_reader=_reader(path), no_dist=not _distributed())
     state.apply()
     rng = path / f"rng-rank-{dist.get_rank() if _distributed() else 0}.safetensors"
     world = dist.get_world_size() if _distributed() else 1
     if info.get("world_size") == world and rng.is_file():  # another world size: ranks do not map one to one
         _set_rng_state(load_file(rng))
     return info
+
+
+def _reader(path: Path) -> HuggingFaceStorageReader:
+    """torch's reader, one thread per file (up to READ_THREADS) where this torch's reader takes a thread count."""
+    if "thread_count" in inspect.signature(HuggingFaceStorageReader.__init__).parameters:
+        return HuggingFaceStorageReader(str(path), thread_count=READ_THREADS)
+    return HuggingFaceStorageReader(str(path))
 
 
 def read_state(path: Path) -> dict:
