@@ -159,6 +159,8 @@ class _Staging:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.cuda = device, device.type == "cuda"
+        if self.cuda:  # a writer thread starts on GPU 0: pinning there would open a CUDA context on another rank's GPU
+            torch.cuda.set_device(device)
         self.bufs = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.cuda:  # whatever stream wrote the tensors, they are final before a copy (sync saves only: async
