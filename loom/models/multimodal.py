@@ -39,10 +39,11 @@ class ModelConfig:
 class ModalityEncoder(nn.Module):
     """An encoder and its projector: inputs of one modality → [tokens, llm_hidden]."""
 
-    def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu") -> None:
+    def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu", hidden: int = 0) -> None:
+        """`hidden`: the projector's width between its matmuls (0: llm_hidden; Qwen2-VL's merger: its input's)."""
         super().__init__()
         self.encoder = encoder
-        self.projector = Projector(encoder.out_dim, llm_hidden, projector_act)
+        self.projector = Projector(encoder.out_dim, llm_hidden, projector_act, hidden)
 
     def num_tokens(self, item: torch.Tensor) -> int:
         return self.encoder.num_tokens(item)

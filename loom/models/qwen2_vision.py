@@ -1,0 +1,147 @@
+"""Qwen2-VL's vision tower: dynamic resolution, 2-D rotary positions, and the 2×2 patch merger's grouping.
+
+An image comes in resized by its processor (sides whole multiples of patch · merge pixels) and normalised, as
+[channels, H, W]. Its patches are taken in merger order — each 2×2 group's four patches one after another, the
+groups row-major — and each patch holds `temporal_patch_size` copies of the image (a still image is a clip of
+identical frames), so the Conv3d patch embedding is one matmul over flattened patches. The blocks attend within
+each image (one packed segment per image), rotating half of each head's dims by the patch's row and half by its
+column. The output is the merger's input: each group's four rows, layer-normed, side by side ([groups, 4 · hidden]);
+the merger's MLP is the modality's projector (models/projector.py with a hidden width of 4 · hidden).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loom.data.spans import TokenSpans
+from loom.models.attention import attend
+from loom.models.layers import GeluMLP, apply_rotary
+
+
+@dataclass
+class Qwen2VisionConfig:
+    channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2  # frames per patch; an image is repeated to fill them
+    merge_size: int = 2  # the merger joins merge × merge neighbouring patches into one LLM token
+    hidden_size: int = 32  # Qwen2-VL's `embed_dim`
+    num_layers: int = 2  # `depth`
+    num_heads: int = 2
+    intermediate_size: int = 128  # embed_dim · mlp_ratio
+    act: str = "quick"  # encoder_act's kind: "quick" (quick_gelu), "none" (exact gelu), "tanh"
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-6
+
+
+class VisionRotary(nn.Module):
+    """Qwen2-VL's 2-D rotary embedding: head_dim / 4 frequencies, turned once by the row and once by the column."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        half = self.head_dim // 2
+        return 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, rows_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows_cols: [patches, 2] → cos, sin [patches, 1, head_dim] (broadcast over heads)."""
+        freqs = (rows_cols.float()[..., None] * self.inv_freq).flatten(-2)  # [patches, row freqs + column freqs]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)  # Qwen2-VL's fused projection: q, k, v one after another
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, spans: TokenSpans, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).unbind(-3)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.proj(attend(q, k, v, spans, causal=False).flatten(-2))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: Qwen2VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size, approximate=cfg.act)
+
+    def forward(self, h: torch.Tensor, spans: TokenSpans, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = h + self.attn(self.norm1(h), spans, rope)
+        return h + self.mlp(self.norm2(h))
+
+
+class Qwen2VisionEncoder(nn.Module):
+    def __init__(self, cfg: Qwen2VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, p, t = cfg.hidden_size, cfg.patch_size, cfg.temporal_patch_size
+        # Qwen2-VL's Conv3d (its weight's shape and name), applied as a matmul over flattened patches
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(cfg.channels, d, (t, p, p), stride=(t, p, p), bias=False)
+        self.rotary = VisionRotary(d // cfg.num_heads, cfg.rope_theta)
+        self.layers = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_layers))
+        self.ln_q = nn.LayerNorm(d, eps=1e-6)  # the merger's norm (its MLP is the projector); eps fixed in Qwen2-VL
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg.hidden_size * self.cfg.merge_size**2
+
+    def grid(self, image: torch.Tensor) -> tuple[int, int, int]:
+        """The image's patch grid (t, h, w), as the processor's image_grid_thw row."""
+        side = self.cfg.patch_size * self.cfg.merge_size
+        if image.shape[-2] % side or image.shape[-1] % side:
+            raise ValueError(f"vision: an image of {image.shape[-2]}×{image.shape[-1]} pixels; this Qwen2-VL tower "
+                             f"takes sides that are multiples of patch_size · merge_size = {side} (its processor's "
+                             f"smart_resize)")
+        return 1, image.shape[-2] // self.cfg.patch_size, image.shape[-1] // self.cfg.patch_size
+
+    def num_tokens(self, image: torch.Tensor) -> int:
+        t, h, w = self.grid(image)
+        return t * h * w // self.cfg.merge_size**2
+
+    def empty_input(self) -> torch.Tensor:
+        side = self.cfg.patch_size * self.cfg.merge_size
+        return torch.zeros(self.cfg.channels, side, side, device=self.patch_embed.proj.weight.device)
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """images: each [channels, H, W] → [sum of merged tokens, merge² · hidden], image after image."""
+        grids = [self.grid(img) for img in images]
+        weight = self.patch_embed.proj.weight
+        patches = torch.cat([self._patches(img) for img in images])
+        h = F.linear(patches.to(weight.dtype), weight.flatten(1))
+        rope = self.rotary(torch.cat([self._rows_cols(gh, gw) for _, gh, gw in grids]).to(h.device))
+        spans = TokenSpans.from_lengths([t * gh * gw for t, gh, gw in grids], device=h.device)
+        for layer in self.layers:
+            h = layer(h, spans, rope)
+        return self.ln_q(h).view(-1, self.out_dim)  # each merger group's rows are consecutive
+
+    def _patches(self, image: torch.Tensor) -> torch.Tensor:
+        """[C, H, W] → [patches, C · temporal · p · p] in merger order, each flattened as the Conv3d weight."""
+        c, p, m, t = image.shape[0], self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        _, gh, gw = self.grid(image)
+        frames = image.unsqueeze(0).expand(t, *image.shape)
+        x = frames.reshape(t, c, gh // m, m, p, gw // m, m, p)
+        return x.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, c * t * p * p)
+
+    def _rows_cols(self, gh: int, gw: int) -> torch.Tensor:
+        """Each patch's (row, column) in the grid, in merger order: [gh · gw, 2]."""
+        m = self.cfg.merge_size
+        rows = torch.arange(gh)[:, None].expand(gh, gw)
+        cols = torch.arange(gw)[None, :].expand(gh, gw)
+        order = lambda x: x.reshape(gh // m, m, gw // m, m).transpose(1, 2).flatten()  # noqa: E731
+        return torch.stack([order(rows), order(cols)], dim=-1)
