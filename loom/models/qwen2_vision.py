@@ -122,7 +122,7 @@ class Qwen2VisionEncoder(nn.Module):
         """images: each [channels, H, W] → [sum of merged tokens, merge² · hidden], image after image."""
         grids = [self.grid(img) for img in images]
         weight = self.patch_embed.proj.weight
-        patches = torch.cat([self._patches(img) for img in images])
+        patches = torch.cat([self.patches(img) for img in images])
         h = F.linear(patches.to(weight.dtype), weight.flatten(1))
         rope = self.rotary(torch.cat([self._rows_cols(gh, gw) for _, gh, gw in grids]).to(h.device))
         spans = TokenSpans.from_lengths([t * gh * gw for t, gh, gw in grids], device=h.device)
@@ -130,7 +130,7 @@ class Qwen2VisionEncoder(nn.Module):
             h = layer(h, spans, rope)
         return self.ln_q(h).view(-1, self.out_dim)  # each merger group's rows are consecutive
 
-    def _patches(self, image: torch.Tensor) -> torch.Tensor:
+    def patches(self, image: torch.Tensor) -> torch.Tensor:
         """[C, H, W] → [patches, C · temporal · p · p] in merger order, each flattened as the Conv3d weight."""
         c, p, m, t = image.shape[0], self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         _, gh, gw = self.grid(image)
