@@ -31,3 +31,10 @@ def far_from_init(model: torch.nn.Module) -> torch.nn.Module:
 def qwen2vl_model() -> Qwen2VLForConditionalGeneration:
     torch.manual_seed(0)
     return far_from_init(Qwen2VLForConditionalGeneration(Qwen2VLConfig(**CONFIG))).eval()
+
+
+def write_qwen2vl(folder):
+    """(transformers' model far from its init, in eval mode; its save_pretrained folder)."""
+    model = qwen2vl_model()
+    model.save_pretrained(folder)
+    return model, folder

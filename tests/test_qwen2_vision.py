@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from qwen2vl_folders import TOWER, qwen2vl_model  # noqa: E402
 from transformers import Qwen2VLImageProcessorPil  # noqa: E402
 
-from loom.models.hf.qwen2_vl import tower_name  # noqa: E402
+from loom.models.hf.names import hf_name  # noqa: E402
 from loom.models.multimodal import ModalityEncoder  # noqa: E402
 from loom.models.qwen2_vision import Qwen2VisionConfig, Qwen2VisionEncoder  # noqa: E402
 
@@ -24,8 +24,12 @@ def loom_tower(ref) -> ModalityEncoder:
                             intermediate_size=TOWER["embed_dim"] * TOWER["mlp_ratio"], act="quick")
     enc = Qwen2VisionEncoder(cfg)
     tower = ModalityEncoder(enc, ref.config.text_config.hidden_size, "gelu", hidden=enc.out_dim)
-    weights = {tower_name(k): v for k, v in ref.state_dict().items() if tower_name(k)}
-    tower.load_state_dict(weights)
+    # the folder's names as the loader maps them (transformers 5 holds the tower as model.visual in memory)
+    state = ref.state_dict()
+    tower.encoder.load_state_dict({n: state[hf_name("vision", n, "model.visual.", "qwen2_vl_vision")]
+                                   for n in tower.encoder.state_dict()})
+    tower.projector.load_state_dict({n: state[hf_name("projector", n, "model.visual.", "qwen2_vl")]
+                                     for n in tower.projector.state_dict()})
     return tower.eval()
 
 

@@ -1,33 +1,108 @@
-"""The Qwen2-VL family (`model_type = "qwen2_vl"`): where each loom module's tensors sit in its folder.
+"""The Qwen2-VL family (`model_type = "qwen2_vl"`): one folder holding the vision tower with its 2×2 patch merger and
+a Qwen2 LLM with M-RoPE.
 
-The tower's `blocks.N` are loom's `layers.N`; the merger's norm belongs to the tower (it normalises each patch
-before the 2×2 groups are joined) and its MLP (`merger.mlp.0` / `.2`) is the vision module's projector.
+Its config.json ↔ loom's module configs, and where each loom module's tensors sit in the folder (transformers 4's
+names, which 5's save_pretrained writes too, then 5's in-memory ones). The tower's `blocks.N` are loom's `layers.N`;
+the merger's norm belongs to the tower (it normalises each patch before the 2×2 groups are joined) and its MLP
+(`merger.mlp.0` / `.2`) is the vision module's projector.
 """
 
 from __future__ import annotations
 
-import re
+from loom.models.hf.errors import HFError
+from loom.models.hf.mapping import config_from_hf
+from loom.models.llm import LLMConfig
+from loom.models.qwen2_vision import Qwen2VisionConfig
 
 FAMILY = "qwen2_vl"
-# the tower's prefix: transformers 5's save_pretrained first, then transformers 4's
-TOWER_PREFIXES = ("model.visual.", "visual.")
-_TOWER_NAMES = (
-    (r"^blocks\.(\d+)\.", r"encoder.layers.\1."),
-    (r"^patch_embed\.", "encoder.patch_embed."),
-    (r"^merger\.ln_q\.", "encoder.ln_q."),
-    (r"^merger\.mlp\.0\.", "projector.linear_1."),
-    (r"^merger\.mlp\.2\.", "projector.linear_2."),
-)
+PLACEHOLDER = "<|image_pad|>"  # the image placeholder of its tokenizer and processor
+PREFIXES = {
+    "language": ("model.", "model.language_model."),
+    "vision": ("visual.", "model.visual."),
+    "projector": ("visual.", "model.visual."),
+}
+ANCHORS = {"language": "embed_tokens.weight", "vision": "patch_embed.proj.weight", "projector": "merger.mlp.0.weight"}
+# loom's names (after names.py's vision rules) → the folder's, per sub-config model_type
+RENAMES = {
+    "qwen2_vl_vision": [(r"^encoder\.layers\.", "blocks."), (r"^ln_q\.", "merger.ln_q.")],
+    FAMILY: [(r"^linear_1\.", "merger.mlp.0."), (r"^linear_2\.", "merger.mlp.2.")],  # the projector's
+}
+ACTS = {"quick_gelu": "quick", "gelu": "none", "gelu_pytorch_tanh": "tanh"}
+# Qwen2VLConfig's text defaults (Qwen2-VL-7B), for keys an older flat config.json leaves out
+TEXT_DEFAULTS = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                     num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0)
+TOWER_KEYS = ("vision_config", "text_config", "image_token_id", "video_token_id", "vision_start_token_id",
+              "vision_end_token_id", "model_type", "architectures")
+NOT_READ = "Qwen2-VL never reads it"  # nothing of the folder is left unread: kept for export_whole's interface
 
 
-def tower_name(name: str) -> str | None:
-    """The loom name (in the vision ModalityEncoder: `encoder.…` or `projector.…`) of a folder's tower tensor, or
-    None when `name` is not one."""
-    prefix = next((p for p in TOWER_PREFIXES if name.startswith(p)), None)
-    if prefix is None:
-        return None
-    rest = name[len(prefix):]
-    for pattern, target in _TOWER_NAMES:
-        if re.match(pattern, rest):
-            return re.sub(pattern, target, rest)
-    return None
+def is_whole_model(hf: dict) -> bool:
+    return hf.get("model_type") == FAMILY
+
+
+def image_token(hf: dict) -> int:
+    return int(hf.get("image_token_id", 151655))
+
+
+def sub_config(hf: dict, kind: str) -> dict:
+    """The config of one module: the tower's vision_config, the whole config for the projector (the merger MLP),
+    text_config (transformers 5) or the flat keys (4) for the LLM, read as a Qwen2 LLM."""
+    if kind == "vision":
+        return dict(hf.get("vision_config") or {}, model_type="qwen2_vl_vision")
+    if kind == "projector":
+        return hf
+    text = dict(hf.get("text_config") or {k: v for k, v in hf.items() if k not in TOWER_KEYS})
+    for key, value in TEXT_DEFAULTS.items():
+        text.setdefault(key, value)
+    text["tie_word_embeddings"] = bool(text.get("tie_word_embeddings") or hf.get("tie_word_embeddings"))
+    return dict(text, model_type="qwen2")
+
+
+def configs(hf: dict, where: str, folder: str) -> tuple[LLMConfig, Qwen2VisionConfig]:
+    lm = config_from_hf(sub_config(hf, "language"), f"{where}: text_config", folder)
+    if not (lm.rope_scaling or {}).get("mrope_section"):
+        raise HFError(f"{where}: text_config has no rope mrope_section: a Qwen2-VL LLM turns its rotary frequencies "
+                      f"with three position streams")
+    return lm, vision_config(sub_config(hf, "vision"), f"{where}: vision_config", lm.hidden_size)
+
+
+def vision_config(v: dict, where: str, llm_hidden: int) -> Qwen2VisionConfig:
+    act = v.get("hidden_act", "quick_gelu")
+    if act not in ACTS:
+        raise HFError(f"{where}: hidden_act = {act!r} is not supported; loom's vision MLP has {sorted(ACTS)}")
+    if v.get("hidden_size", llm_hidden) != llm_hidden:
+        raise HFError(f"{where}: hidden_size = {v['hidden_size']} (the merger's output) differs from the LLM's "
+                      f"hidden_size {llm_hidden}")
+    d = int(v.get("embed_dim", 1280))
+    rope = v.get("rope_parameters") or {}
+    return Qwen2VisionConfig(channels=int(v.get("in_channels", v.get("in_chans", 3))),
+                             patch_size=int(v.get("patch_size", 14)),
+                             temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+                             merge_size=int(v.get("spatial_merge_size", 2)), hidden_size=d,
+                             num_layers=int(v.get("depth", 32)), num_heads=int(v.get("num_heads", 16)),
+                             intermediate_size=int(d * v.get("mlp_ratio", 4)), act=ACTS[act],
+                             rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+def part_prefix(kind: str, names, where: str) -> tuple[str, str]:
+    """(prefix of the module's tensors, prefix of the LM head's) in a Qwen2-VL folder's tensor `names`."""
+    for prefix in PREFIXES[kind]:
+        if prefix + ANCHORS[kind] in names:
+            return prefix, ""
+    tried = [p + ANCHORS[kind] for p in PREFIXES[kind]]
+    raise HFError(f"{where}: no Qwen2-VL {kind} tensors found: none of {tried} is in the checkpoint")
+
+
+def part_of(name: str) -> str:
+    """The loom module a Qwen2-VL folder's tensor belongs to."""
+    if name.startswith(("visual.", "model.visual.")):
+        return "projector" if ".merger.mlp." in name else "vision"
+    return "language"
+
+
+def other_part(kind: str, name: str, prefix: str, head_prefix: str) -> bool:
+    return part_of(name) != kind
+
+
+def unread_tower_reason(name: str, prefix: str, layers: int) -> str | None:
+    return None  # the whole tower is read

@@ -1,0 +1,72 @@
+"""Qwen2-VL folders (`model_type = "qwen2_vl"`): the tower with its merger and a Qwen2 LLM with M-RoPE in one folder
+load into loom with transformers' logits, for several samples packed into one stream, each with its own number of
+images of its own sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from qwen2vl_folders import END_ID, IMAGE_ID, START_ID, write_qwen2vl  # noqa: E402
+
+from loom.data.mrope import mrope_positions  # noqa: E402
+from loom.data.spans import TokenSpans  # noqa: E402
+from loom.models.hf import build_pretrained  # noqa: E402
+
+TOL = 1e-5
+# each sample's images (H, W pixels): two of different sizes, none, one, three
+IMAGES = [[(28, 56), (56, 28)], [], [(56, 84)], [(28, 28), (84, 56), (28, 56)]]
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(tmp_path_factory):
+    return write_qwen2vl(tmp_path_factory.mktemp("qwen2vl") / "folder")
+
+
+def packed_samples(model, seed: int = 0):
+    """Samples of text around each image as Qwen2-VL's template writes it: [(ids, images, grids)]."""
+    g = torch.Generator().manual_seed(seed)
+    tower = model.encoder("vision")
+    out = []
+    for k, sizes in enumerate(IMAGES):
+        images = [torch.randn(3, h, w, generator=g) for h, w in sizes]
+        ids = torch.randint(10, 290, (3 + k,), generator=g).tolist()
+        for image in images:
+            ids += [START_ID] + [IMAGE_ID] * tower.num_tokens(image) + [END_ID]
+            ids += torch.randint(10, 290, (2,), generator=g).tolist()
+        out.append((ids, images, [tower.encoder.grid(im) for im in images]))
+    return out
+
+
+def hf_logits(ref, samples) -> torch.Tensor:
+    from transformers import Qwen2VLImageProcessorPil
+
+    flatten = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False)
+    logits = []
+    with torch.no_grad():
+        for ids, images, _ in samples:
+            x = torch.tensor(ids)[None]
+            extra = {}
+            if images:
+                pixels = flatten(images=images, return_tensors="pt")
+                extra = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+            # mm_token_type_ids: which tokens are an image's (transformers 5's processor returns them)
+            logits.append(ref(input_ids=x, mm_token_type_ids=(x == IMAGE_ID).int(), **extra).logits[0])
+    return torch.cat(logits)
+
+
+def test_a_qwen2vl_folder_gives_transformers_logits_for_packed_samples(qwen2vl):
+    ref, folder = qwen2vl
+    model = build_pretrained(folder).eval()
+    assert model.placeholder_ids["vision"] == IMAGE_ID
+    assert model.language.cfg.rope_scaling == {"rope_type": "mrope", "mrope_section": [2, 3, 3]}
+    samples = packed_samples(model)
+    ids = torch.cat([torch.tensor(x) for x, _, _ in samples])
+    positions = torch.cat([torch.tensor(mrope_positions(x, IMAGE_ID, grids)) for x, _, grids in samples])
+    with torch.no_grad():
+        got = model(ids, positions, TokenSpans.from_lengths([len(x) for x, _, _ in samples]),
+                    {"vision": [im for _, images, _ in samples for im in images]})
+    want = hf_logits(ref, samples)
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() <= TOL
