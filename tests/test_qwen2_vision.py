@@ -13,15 +13,19 @@ from transformers import Qwen2VLImageProcessorPil  # noqa: E402
 
 from loom.models.hf.names import hf_name  # noqa: E402
 from loom.models.multimodal import ModalityEncoder  # noqa: E402
-from loom.models.qwen2_vision import Qwen2VisionConfig, Qwen2VisionEncoder  # noqa: E402
+from loom.models.qwen2_vision import Qwen2VisionEncoder  # noqa: E402
+from loom.models.vision import VisionConfig  # noqa: E402
 
 TOL = 1e-5
 SIZES = [(28, 56), (56, 84), (28, 28), (84, 56)]  # pixels (H, W): each side whole 28-pixel groups
+# Qwen2-VL's tower sizes as loom reads them (14-pixel patches, 2×2 merger)
+TOWER_CONFIG = VisionConfig(family="qwen2_vl", patch_size=14, hidden_size=32, num_heads=2)
 
 
 def loom_tower(ref) -> ModalityEncoder:
-    cfg = Qwen2VisionConfig(hidden_size=TOWER["embed_dim"], num_layers=TOWER["depth"], num_heads=TOWER["num_heads"],
-                            intermediate_size=TOWER["embed_dim"] * TOWER["mlp_ratio"], act="quick")
+    cfg = VisionConfig(family="qwen2_vl", patch_size=14, hidden_size=TOWER["embed_dim"], num_layers=TOWER["depth"],
+                       num_heads=TOWER["num_heads"], intermediate_size=TOWER["embed_dim"] * TOWER["mlp_ratio"],
+                       act="quick", layer_norm_eps=1e-6)
     enc = Qwen2VisionEncoder(cfg)
     tower = ModalityEncoder(enc, ref.config.text_config.hidden_size, "gelu", hidden=enc.out_dim)
     # the folder's names as the loader maps them (transformers 5 holds the tower as model.visual in memory)
@@ -55,6 +59,6 @@ def test_the_qwen2_vl_tower_gives_transformers_rows_for_images_of_different_size
 
 
 def test_the_qwen2_vl_tower_refuses_an_image_of_partial_merger_groups():
-    enc = Qwen2VisionEncoder(Qwen2VisionConfig())
+    enc = Qwen2VisionEncoder(TOWER_CONFIG)
     with pytest.raises(ValueError, match="multiples of patch_size · merge_size = 28"):
         enc.num_tokens(torch.zeros(3, 28, 42))

@@ -18,7 +18,8 @@ from conftest import tiny_chat_tokenizer  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen2VLProcessor  # noqa: E402
 
 from loom.data.images import ImageRule, image_file, load_image  # noqa: E402
-from loom.models.qwen2_vision import Qwen2VisionConfig, Qwen2VisionEncoder  # noqa: E402
+from loom.models.qwen2_vision import Qwen2VisionEncoder  # noqa: E402
+from loom.models.vision import VisionConfig  # noqa: E402
 
 # (H, W): portrait, landscape, odd, larger than a small max_pixels, thin (a side that rounds to 0 patch groups),
 # smaller than min_pixels
@@ -40,6 +41,8 @@ QWEN2VL_TEMPLATE = (
     "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
     "<|im_start|>assistant\n{% endif %}")
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's tower sizes as loom reads them (14-pixel patches, 2×2 merger)
+TOWER_CONFIG = VisionConfig(family="qwen2_vl", patch_size=14, hidden_size=32, num_heads=2)
 
 
 def _pngs(root, sizes=SIZES) -> list:
@@ -59,7 +62,7 @@ def _rule(processor, folder) -> ImageRule:
 @pytest.mark.parametrize("name", list(PROCESSORS))
 def test_images_are_qwen2vl_processors_patches_and_grids(name, tmp_path):
     processor = Qwen2VLImageProcessorPil(**PROCESSORS[name])
-    rule, tower = _rule(processor, tmp_path / "folder"), Qwen2VisionEncoder(Qwen2VisionConfig())
+    rule, tower = _rule(processor, tmp_path / "folder"), Qwen2VisionEncoder(TOWER_CONFIG)
     assert (rule.patch, rule.smart_resize) == (28, True)
     for path in _pngs(tmp_path):
         want = processor(Image.open(path), return_tensors="pt")
@@ -111,7 +114,7 @@ def test_a_qwen2vl_conversation_gives_qwen2vl_processors_ids_and_rope_index(tmp_
     chat = ChatTokenizer(tmp_path / "tok", {"vision": "<|image_pad|>"})
     assert chat.reads_parts and chat.added == []
     conv = parse_conversation(json.dumps({"messages": messages}), "data.jsonl:1", tmp_path)
-    rule, tower = _rule(images, tmp_path / "folder"), Qwen2VisionEncoder(Qwen2VisionConfig())
+    rule, tower = _rule(images, tmp_path / "folder"), Qwen2VisionEncoder(TOWER_CONFIG)
     loaded = [load_image(p, rule) for p in paths]
     ids, _ = chat.encode(conv, {"vision": [tower.num_tokens(im) for im in loaded]})
     assert ids == want["input_ids"][0].tolist()

@@ -15,6 +15,7 @@ import torch.nn as nn
 from loom.models.audio import AudioConfig, AudioEncoder
 from loom.models.llm import DecoderLM, LLMConfig
 from loom.models.projector import Projector
+from loom.models.qwen2_vision import Qwen2VisionEncoder
 from loom.models.vision import VisionConfig, VisionEncoder
 from loom.typed_config import choice
 
@@ -107,7 +108,10 @@ def build_model(
     """`make(cls, cfg)` builds the LLM and each encoder (e.g. loading pretrained weights); projectors are new."""
     encoders = {}
     if vision is not None:
-        encoders["vision"] = ModalityEncoder(make(VisionEncoder, vision), language.hidden_size, vision.projector_act)
+        tower = make(Qwen2VisionEncoder if vision.family == "qwen2_vl" else VisionEncoder, vision)
+        # Qwen2-VL's merger MLP keeps its input's width in between (LLaVA's projector: the LLM's)
+        hidden = tower.out_dim if vision.family == "qwen2_vl" else 0
+        encoders["vision"] = ModalityEncoder(tower, language.hidden_size, vision.projector_act, hidden)
     if audio is not None:
         encoders["audio"] = ModalityEncoder(make(AudioEncoder, audio), language.hidden_size)
     return MultimodalModel(make(DecoderLM, language), encoders, placeholder_ids)

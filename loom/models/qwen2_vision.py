@@ -6,12 +6,11 @@ groups row-major — and each patch holds `temporal_patch_size` copies of the im
 identical frames), so the Conv3d patch embedding is one matmul over flattened patches. The blocks attend within
 each image (one packed segment per image), rotating half of each head's dims by the patch's row and half by its
 column. The output is the merger's input: each group's four rows, layer-normed, side by side ([groups, 4 · hidden]);
-the merger's MLP is the modality's projector (models/projector.py with a hidden width of 4 · hidden).
+the merger's MLP is the modality's projector (models/projector.py with a hidden width of 4 · hidden). Its config is
+a VisionConfig with family = "qwen2_vl" (position_grid, class_token and the LLaVA keys unused).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,21 +19,7 @@ import torch.nn.functional as F
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
 from loom.models.layers import GeluMLP, apply_rotary
-
-
-@dataclass
-class Qwen2VisionConfig:
-    channels: int = 3
-    patch_size: int = 14
-    temporal_patch_size: int = 2  # frames per patch; an image is repeated to fill them
-    merge_size: int = 2  # the merger joins merge × merge neighbouring patches into one LLM token
-    hidden_size: int = 32  # Qwen2-VL's `embed_dim`
-    num_layers: int = 2  # `depth`
-    num_heads: int = 2
-    intermediate_size: int = 128  # embed_dim · mlp_ratio
-    act: str = "quick"  # encoder_act's kind: "quick" (quick_gelu), "none" (exact gelu), "tanh"
-    rope_theta: float = 10000.0
-    layer_norm_eps: float = 1e-6
+from loom.models.vision import VisionConfig
 
 
 class VisionRotary(nn.Module):
@@ -73,7 +58,7 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: Qwen2VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
@@ -86,7 +71,7 @@ class VisionBlock(nn.Module):
 
 
 class Qwen2VisionEncoder(nn.Module):
-    def __init__(self, cfg: Qwen2VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
         d, p, t = cfg.hidden_size, cfg.patch_size, cfg.temporal_patch_size

@@ -39,6 +39,12 @@ class VisionConfig:
     final_norm: bool = True  # post_layernorm on the last layer's output; a LLaVA tower's LLM reads a layer's output
     drop_first_row: bool = False  # LLaVA's "default" feature strategy: each image's first output row ([CLS]) dropped
     projector_act: str = choice("gelu", *PROJECTOR_ACTS)  # the projector's activation, between its two matmuls
+    # which tower: "vit" (SigLIP / CLIP, this file) or "qwen2_vl" (models/qwen2_vision.py: 2-D rotary positions and
+    # a 2×2 patch merger, whose MLP is the projector; the keys below are its)
+    family: str = choice("vit", "vit", "qwen2_vl")
+    temporal_patch_size: int = 2  # frames per patch; a still image is repeated to fill them
+    merge_size: int = 2  # the merger joins merge_size × merge_size neighbouring patches into one LLM token
+    rope_theta: float = 10000.0  # the tower's 2-D rotary base
     hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 

@@ -28,9 +28,9 @@ from loom.models.hf.names import hf_name, locate, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM, LLMConfig
-from loom.models.multimodal import ModalityEncoder, ModelConfig, MultimodalModel, build_model
+from loom.models.multimodal import ModelConfig, build_model
 from loom.models.projector import Projector
-from loom.models.qwen2_vision import Qwen2VisionConfig, Qwen2VisionEncoder
+from loom.models.qwen2_vision import Qwen2VisionEncoder
 from loom.models.vision import VisionEncoder
 from loom.typed_config import ConfigError
 
@@ -272,13 +272,7 @@ def _build_whole(folder: str | Path, hf: dict, device, dtype) -> nn.Module:
     family = family_of(hf)
     lm, vision = family.configs(hf, str(folder), str(folder))
     with torch.device("meta"):
-        if isinstance(vision, Qwen2VisionConfig):  # the merger's MLP, its input's width in between, projects
-            tower = Qwen2VisionEncoder(vision)
-            model = MultimodalModel(DecoderLM(lm), {"vision": ModalityEncoder(tower, lm.hidden_size, "gelu",
-                                                                              tower.out_dim)},
-                                    {"vision": family.image_token(hf)})
-        else:
-            model = build_model(lm, vision, None, {"vision": family.image_token(hf)})
+        model = build_model(lm, vision, None, {"vision": family.image_token(hf)})
     if dtype is not None:
         model.to(dtype)
     for module in (model.language, model.vision.encoder, model.vision.projector):

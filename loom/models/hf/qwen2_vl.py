@@ -12,7 +12,7 @@ from __future__ import annotations
 from loom.models.hf.errors import HFError
 from loom.models.hf.mapping import config_from_hf
 from loom.models.llm import LLMConfig
-from loom.models.qwen2_vision import Qwen2VisionConfig
+from loom.models.vision import VisionConfig
 
 FAMILY = "qwen2_vl"
 PLACEHOLDER = "<|image_pad|>"  # the image placeholder of its tokenizer and processor
@@ -58,15 +58,15 @@ def sub_config(hf: dict, kind: str) -> dict:
     return dict(text, model_type="qwen2")
 
 
-def configs(hf: dict, where: str, folder: str) -> tuple[LLMConfig, Qwen2VisionConfig]:
+def configs(hf: dict, where: str, folder: str) -> tuple[LLMConfig, VisionConfig]:
     lm = config_from_hf(sub_config(hf, "language"), f"{where}: text_config", folder)
     if not (lm.rope_scaling or {}).get("mrope_section"):
         raise HFError(f"{where}: text_config has no rope mrope_section: a Qwen2-VL LLM turns its rotary frequencies "
                       f"with three position streams")
-    return lm, vision_config(sub_config(hf, "vision"), f"{where}: vision_config", lm.hidden_size)
+    return lm, vision_config(sub_config(hf, "vision"), f"{where}: vision_config", lm.hidden_size, folder)
 
 
-def vision_config(v: dict, where: str, llm_hidden: int) -> Qwen2VisionConfig:
+def vision_config(v: dict, where: str, llm_hidden: int, folder: str = "") -> VisionConfig:
     act = v.get("hidden_act", "quick_gelu")
     if act not in ACTS:
         raise HFError(f"{where}: hidden_act = {act!r} is not supported; loom's vision MLP has {sorted(ACTS)}")
@@ -75,13 +75,14 @@ def vision_config(v: dict, where: str, llm_hidden: int) -> Qwen2VisionConfig:
                       f"hidden_size {llm_hidden}")
     d = int(v.get("embed_dim", 1280))
     rope = v.get("rope_parameters") or {}
-    return Qwen2VisionConfig(channels=int(v.get("in_channels", v.get("in_chans", 3))),
+    return VisionConfig(family="qwen2_vl", channels=int(v.get("in_channels", v.get("in_chans", 3))),
                              patch_size=int(v.get("patch_size", 14)),
                              temporal_patch_size=int(v.get("temporal_patch_size", 2)),
                              merge_size=int(v.get("spatial_merge_size", 2)), hidden_size=d,
                              num_layers=int(v.get("depth", 32)), num_heads=int(v.get("num_heads", 16)),
                              intermediate_size=int(d * v.get("mlp_ratio", 4)), act=ACTS[act],
-                             rope_theta=float(rope.get("rope_theta", 10000.0)))
+                             rope_theta=float(rope.get("rope_theta", 10000.0)), layer_norm_eps=1e-6,
+                             projector_act="gelu", hf=folder)
 
 
 def part_prefix(kind: str, names, where: str) -> tuple[str, str]:
