@@ -34,7 +34,11 @@ def qwen2vl_model() -> Qwen2VLForConditionalGeneration:
 
 
 def write_qwen2vl(folder):
-    """(transformers' model far from its init, in eval mode; its save_pretrained folder)."""
+    """(transformers' model far from its init, in eval mode; its save_pretrained folder with the processor's
+    preprocessor_config.json, sized small: 1 to 4 merged tokens an image)."""
+    from transformers import Qwen2VLImageProcessorPil
+
     model = qwen2vl_model()
     model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 4).save_pretrained(folder)
     return model, folder

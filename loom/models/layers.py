@@ -37,7 +37,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported; use one of: default, linear, llama3, yarn")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; use one of: default, linear, llama3, yarn, mrope")
 
 
 def rope_type(scaling: dict | None) -> str:
