@@ -73,3 +73,41 @@ def test_a_qwen2vl_job_packs_three_position_streams_from_its_images_grids(qwen2v
     want = torch.cat([torch.tensor(mrope_positions(s.tokens, image_id, g)) for s, g in zip(samples, grids)])
     assert torch.equal(batch.positions, want)
     assert (batch.positions[:, 1] != batch.positions[:, 2]).any()
+
+
+def test_a_qwen2vl_job_trains_and_exports_a_folder_transformers_reads_with_equal_logits(qwen2vl_job, tmp_path,
+                                                                                         capsys):
+    """One step in fp32 on a user's conversations, a checkpoint, `loom export` → one qwen2_vl folder that
+    Qwen2VLForConditionalGeneration loads without a missing or unexpected tensor, its logits loom's."""
+    import loom.cli
+    from loom.job import load_config
+    from loom.train.trainer import Trainer
+    from test_hf_qwen2vl import hf_logits, packed_samples
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from loom.data.mrope import mrope_positions
+    from loom.data.spans import TokenSpans
+
+    cfg = load_config(None, [*qwen2vl_job, "--train.steps=1", "--train.device=cpu", "--run.tensorboard=false",
+                             "--run.progress=false", f"--run.out_dir={tmp_path}/run", "--data.workers=0"])
+    trainer = Trainer(cfg)
+    model = trainer.model
+    before = model.vision.projector.linear_2.bias.detach().clone()
+    trainer.train_step(trainer.batches.shard(0))
+    assert not torch.equal(model.vision.projector.linear_2.bias, before)
+    trainer.checkpoint()
+    assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+
+    back, info = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    model.eval()
+    samples = packed_samples(model, seed=3)  # the folder's image token; the job's placeholder is the tokenizer's
+    pad = model.placeholder_ids["vision"]
+    ids = torch.cat([torch.tensor(x) for x, _, _ in samples])
+    ids = torch.where(ids == back.config.image_token_id, pad, ids)
+    positions = torch.cat([torch.tensor(mrope_positions(x, back.config.image_token_id, g)) for x, _, g in samples])
+    with torch.no_grad():
+        got = model(ids, positions, TokenSpans.from_lengths([len(x) for x, _, _ in samples]),
+                    {"vision": [im for _, images, _ in samples for im in images]})
+    assert (got - hf_logits(back.eval(), samples)).abs().max() <= 1e-5
