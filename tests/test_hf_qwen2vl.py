@@ -70,3 +70,25 @@ def test_a_qwen2vl_folder_gives_transformers_logits_for_packed_samples(qwen2vl):
     want = hf_logits(ref, samples)
     assert want.abs().max() > 1.0
     assert (got - want).abs().max() <= TOL
+
+
+def test_generation_continues_mrope_positions_after_each_prompts_images(qwen2vl):
+    """Greedy KV-cached decoding of a Qwen2-VL model: each generated token's logprob equals the one a whole forward
+    of prompt + answer gives it (positions after an image go on from its largest + 1, not from the token count)."""
+    from loom.data.sample import Sample
+    from loom.models.sampler import Sampler, SamplingParams
+
+    _, folder = qwen2vl
+    model = build_pretrained(folder).eval()
+    samples = packed_samples(model, seed=1)
+    prompts = [Sample(ids, [False] * len(ids), images, []) for ids, images, _ in samples]
+    out = Sampler(model, eos_id=-1, pad_id=0, backend="sdpa").generate(prompts, SamplingParams(6, 0.0),
+                                                                      torch.Generator())
+    for (ids, images, grids), completion in zip(samples, out):
+        whole = ids + completion.tokens
+        positions = torch.tensor(mrope_positions(whole, IMAGE_ID, grids))
+        with torch.no_grad():
+            logits = model(torch.tensor(whole), positions, TokenSpans.from_lengths([len(whole)]), {"vision": images})
+        logp = torch.log_softmax(logits[len(ids) - 1:-1], -1)
+        want = logp.gather(-1, torch.tensor(completion.tokens)[:, None])[:, 0]
+        assert (torch.tensor(completion.logprobs) - want).abs().max() <= TOL

@@ -111,3 +111,15 @@ def test_a_qwen2vl_job_trains_and_exports_a_folder_transformers_reads_with_equal
         got = model(ids, positions, TokenSpans.from_lengths([len(x) for x, _, _ in samples]),
                     {"vision": [im for _, images, _ in samples for im in images]})
     assert (got - hf_logits(back.eval(), samples)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [["--layout.vision.tp=2"],
+                                    ['--layout.vision.ranks="0-1"', '--layout.language.ranks="2-3"',
+                                     "--layout.vision.pp=2"]], ids=["tp2", "pp2"])
+def test_a_tower_layout_loom_cannot_run_qwen2vl_under_is_named_when_the_config_loads(qwen2vl_job, layout):
+    from loom.job import load_config
+    from loom.typed_config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*qwen2vl_job, *layout], world_size=4)
+    assert all(f in str(err.value) for f in ("Qwen2-VL's tower", "layout.vision.tp = 1", "layout.vision.pp = 1"))
