@@ -92,3 +92,62 @@ def test_generation_continues_mrope_positions_after_each_prompts_images(qwen2vl)
         logp = torch.log_softmax(logits[len(ids) - 1:-1], -1)
         want = logp.gather(-1, torch.tensor(completion.tokens)[:, None])[:, 0]
         assert (torch.tensor(completion.logprobs) - want).abs().max() <= TOL
+
+
+def _flat_transformers4_config(hf: dict) -> dict:
+    """config.json as transformers 4 wrote Qwen2-VL's: the text keys at the top level, rope_scaling of type mrope."""
+    text = dict(hf.pop("text_config"))
+    rope = text.pop("rope_parameters")
+    flat = {k: v for k, v in text.items() if k not in ("model_type", "layer_types")}
+    vision = dict(hf.pop("vision_config"), in_chans=3)
+    vision.pop("in_channels")
+    # as Qwen2-VL-2B-Instruct's: a sliding window set but off, the tower's act left to its default
+    vision.pop("hidden_act")
+    return dict(hf, **flat, vision_config=vision, rope_theta=rope["rope_theta"], sliding_window=32768,
+                use_sliding_window=False, max_window_layers=28,
+                rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+
+
+def test_an_older_flat_config_json_loads_the_same_model(qwen2vl, tmp_path):
+    import dataclasses
+    import json
+    import shutil
+
+    _, folder = qwen2vl
+    shutil.copytree(folder, tmp_path / "old")
+    hf = json.loads((folder / "config.json").read_text())
+    (tmp_path / "old" / "config.json").write_text(json.dumps(_flat_transformers4_config(hf)))
+    new, old = build_pretrained(folder), build_pretrained(tmp_path / "old")
+    same = lambda a, b: dataclasses.replace(a, hf="") == dataclasses.replace(b, hf="")  # noqa: E731
+    assert same(new.language.cfg, old.language.cfg) and same(new.vision.encoder.cfg, old.vision.encoder.cfg)
+    assert all(torch.equal(a, b) for a, b in zip(new.state_dict().values(), old.state_dict().values()))
+
+
+@pytest.mark.parametrize("change,fragments", [
+    (lambda hf, files: files.__setitem__("drop", "visual.blocks.1.attn.qkv.weight"),
+     ["missing tensors", "visual.blocks.1.attn.qkv.weight"]),
+    (lambda hf, files: hf["vision_config"].__setitem__("hidden_act", "silu"),
+     ["vision_config", "hidden_act = 'silu'"]),
+    (lambda hf, files: hf["text_config"]["rope_parameters"].pop("mrope_section"),
+     ["text_config", "mrope_section"]),
+], ids=["missing-tensor", "tower-act", "no-mrope"])
+def test_a_qwen2vl_folder_loom_cannot_load_is_named(qwen2vl, tmp_path, change, fragments):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loom.models.hf import HFError
+
+    _, folder = qwen2vl
+    shutil.copytree(folder, tmp_path / "bad")
+    hf, files = json.loads((folder / "config.json").read_text()), {}
+    change(hf, files)
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(hf))
+    if "drop" in files:
+        tensors = load_file(folder / "model.safetensors")
+        del tensors[files["drop"]]
+        save_file(tensors, tmp_path / "bad" / "model.safetensors")
+    with pytest.raises(HFError) as err:
+        build_pretrained(tmp_path / "bad")
+    assert all(f in str(err.value) for f in (str(tmp_path / "bad"), *fragments)), str(err.value)
