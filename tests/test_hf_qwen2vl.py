@@ -103,8 +103,8 @@ def _flat_transformers4_config(hf: dict) -> dict:
     vision.pop("in_channels")
     # as Qwen2-VL-2B-Instruct's: a sliding window set but off, the tower's act left to its default
     vision.pop("hidden_act")
-    return dict(hf, **flat, vision_config=vision, rope_theta=rope["rope_theta"], sliding_window=32768,
-                use_sliding_window=False, max_window_layers=28,
+    flat.update(sliding_window=32768, use_sliding_window=False, max_window_layers=28)
+    return dict(hf, **flat, vision_config=vision, rope_theta=rope["rope_theta"],
                 rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
 
 
