@@ -123,3 +123,21 @@ def test_a_tower_layout_loom_cannot_run_qwen2vl_under_is_named_when_the_config_l
     with pytest.raises(ConfigError) as err:
         load_config(None, [*qwen2vl_job, *layout], world_size=4)
     assert all(f in str(err.value) for f in ("Qwen2-VL's tower", "layout.vision.tp = 1", "layout.vision.pp = 1"))
+
+
+def test_loom_score_of_a_qwen2vl_job_writes_each_conversations_targets_in_order(qwen2vl_job, tmp_path, capsys):
+    """Scoring keeps each token's place in its sample as a field of its own: M-RoPE's positions repeat within an
+    image, so they cannot order a sample's targets."""
+    import json
+
+    import loom.cli
+
+    data = next(o for o in qwen2vl_job if o.startswith("--data.sources")).split('"')[1]
+    out = tmp_path / "scores"
+    assert loom.cli.main(["score", "configs/tiny.toml", f"--data={data}", f"--out={out}", *qwen2vl_job,
+                          f"--run.out_dir={tmp_path}/run", "--data.workers=0"]) == 0
+    capsys.readouterr()
+    lines = [json.loads(x) for x in (out / "scores.jsonl").read_text().splitlines()]
+    assert [x["index"] for x in lines] == list(range(16))
+    for x in lines:
+        assert x["targets"] and len(x["logprobs"]) == len(x["targets"]) and all(lp <= 0 for lp in x["logprobs"])
