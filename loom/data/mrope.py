@@ -8,7 +8,11 @@ grid of that image (t × h/merge × w/merge tokens, row-major): each token's pos
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+
+from loom.data.sample import Sample
 
 STREAMS = 3  # time, height, width
 
@@ -54,3 +58,10 @@ def padded_streams(positions: list[tuple[int, int, int]] | None, length: int, pa
     start = int(own.max()) + 1 if length else 0
     pad = torch.arange(start, start + padded - length).unsqueeze(1).expand(-1, STREAMS)
     return torch.cat([own, pad])
+
+
+def with_mrope_positions(sample: Sample, image_token_id: int, patch: int, merge: int) -> Sample:
+    """`sample` carrying its M-RoPE positions, each image's grid read from its (resized) shape: a still image is
+    one temporal patch of (H / patch) × (W / patch)."""
+    grids = [(1, item.shape[-2] // patch, item.shape[-1] // patch) for item in sample.images]
+    return replace(sample, rope_positions=mrope_positions(sample.tokens, image_token_id, grids, merge))
