@@ -108,9 +108,10 @@ def build_model(
     """`make(cls, cfg)` builds the LLM and each encoder (e.g. loading pretrained weights); projectors are new."""
     encoders = {}
     if vision is not None:
-        tower = make(Qwen2VisionEncoder if vision.family == "qwen2_vl" else VisionEncoder, vision)
+        qwen = vision.family in ("qwen2_vl", "qwen2_5_vl")
+        tower = make(Qwen2VisionEncoder if qwen else VisionEncoder, vision)
         # Qwen2-VL's merger MLP keeps its input's width in between (LLaVA's projector: the LLM's)
-        hidden = tower.out_dim if vision.family == "qwen2_vl" else 0
+        hidden = tower.out_dim if qwen else 0
         encoders["vision"] = ModalityEncoder(tower, language.hidden_size, vision.projector_act, hidden)
     if audio is not None:
         encoders["audio"] = ModalityEncoder(make(AudioEncoder, audio), language.hidden_size)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend
-from loom.models.layers import GeluMLP, apply_rotary
+from loom.models.layers import GeluMLP, RMSNorm, SwiGLU, apply_rotary
 from loom.models.vision import VisionConfig
 
 
@@ -60,14 +60,21 @@ class VisionAttention(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm1 = _norm(cfg)
         self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size, approximate=cfg.act)
+        self.norm2 = _norm(cfg)
+        # Qwen2.5-VL's MLP: SwiGLU with biases; Qwen2-VL's: two layers around a gelu
+        self.mlp = (SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=True) if cfg.family == "qwen2_5_vl"
+                    else GeluMLP(cfg.hidden_size, cfg.intermediate_size, approximate=cfg.act))
 
     def forward(self, h: torch.Tensor, spans: TokenSpans, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         h = h + self.attn(self.norm1(h), spans, rope)
         return h + self.mlp(self.norm2(h))
+
+
+def _norm(cfg: VisionConfig) -> nn.Module:
+    """Qwen2.5-VL's RMSNorm, Qwen2-VL's LayerNorm (both eps 1e-6 in their towers)."""
+    return RMSNorm(cfg.hidden_size, 1e-6) if cfg.family == "qwen2_5_vl" else nn.LayerNorm(cfg.hidden_size, eps=1e-6)
 
 
 class Qwen2VisionEncoder(nn.Module):
@@ -80,7 +87,7 @@ class Qwen2VisionEncoder(nn.Module):
         self.patch_embed.proj = nn.Conv3d(cfg.channels, d, (t, p, p), stride=(t, p, p), bias=False)
         self.rotary = VisionRotary(d // cfg.num_heads, cfg.rope_theta)
         self.layers = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_layers))
-        self.ln_q = nn.LayerNorm(d, eps=1e-6)  # the merger's norm (its MLP is the projector); eps fixed in Qwen2-VL
+        self.ln_q = _norm(cfg)  # the merger's norm (its MLP is the projector)
 
     @property
     def out_dim(self) -> int:
@@ -109,11 +116,18 @@ class Qwen2VisionEncoder(nn.Module):
         weight = self.patch_embed.proj.weight
         patches = torch.cat([self.patches(img) for img in images])
         h = F.linear(patches.to(weight.dtype), weight.flatten(1))
-        rope = self.rotary(torch.cat([self._rows_cols(gh, gw) for _, gh, gw in grids]).to(h.device))
-        spans = TokenSpans.from_lengths([t * gh * gw for t, gh, gw in grids], device=h.device)
-        for layer in self.layers:
-            h = layer(h, spans, rope)
-        return self.ln_q(h).view(-1, self.out_dim)  # each merger group's rows are consecutive
+        rows_cols = torch.cat([self._rows_cols(gh, gw) for _, gh, gw in grids])
+        images = TokenSpans.from_lengths([t * gh * gw for t, gh, gw in grids], device=h.device)
+        order, windows = self._windows(grids)
+        if order is not None:  # Qwen2.5-VL: each window's merger groups one after another (within its image)
+            group = self.cfg.merge_size**2
+            h, rows_cols = _by_groups(h, order, group), _by_groups(rows_cols, order, group)
+        rope = self.rotary(rows_cols.to(h.device))
+        for i, layer in enumerate(self.layers):
+            full = order is None or i in self.cfg.full_attention_layers
+            h = layer(h, images if full else windows, rope)
+        out = self.ln_q(h).view(-1, self.out_dim)  # each merger group's rows are consecutive
+        return out if order is None else out[torch.argsort(order).to(out.device)]  # groups back in image order
 
     def patches(self, image: torch.Tensor) -> torch.Tensor:
         """[C, H, W] → [patches, C · temporal · p · p] in merger order, each flattened as the Conv3d weight."""
@@ -123,6 +137,26 @@ class Qwen2VisionEncoder(nn.Module):
         x = frames.reshape(t, c, gh // m, m, p, gw // m, m, p)
         return x.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, c * t * p * p)
 
+    def _windows(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor | None, TokenSpans | None]:
+        """Qwen2.5-VL's windows: each image's merged grid cut into squares of window_size pixels (the last row
+        and column of windows cut short), windows row-major, groups row-major inside; (the merger groups in that
+        order, the windows' spans in patches). None, None without windows."""
+        if not self.cfg.window_size:
+            return None, None
+        m, side = self.cfg.merge_size, self.cfg.window_size // self.cfg.merge_size // self.cfg.patch_size
+        order, lengths, start = [], [], 0
+        for t, gh, gw in grids:
+            lh, lw = gh // m, gw // m
+            for f in range(t):
+                for y0 in range(0, lh, side):
+                    for x0 in range(0, lw, side):
+                        ys, xs = range(y0, min(y0 + side, lh)), range(x0, min(x0 + side, lw))
+                        order += [start + (f * lh + y) * lw + x for y in ys for x in xs]
+                        lengths.append(len(ys) * len(xs) * m * m)
+            start += t * lh * lw
+        device = self.patch_embed.proj.weight.device
+        return torch.tensor(order), TokenSpans.from_lengths(lengths, device=device)
+
     def _rows_cols(self, gh: int, gw: int) -> torch.Tensor:
         """Each patch's (row, column) in the grid, in merger order: [gh · gw, 2]."""
         m = self.cfg.merge_size
@@ -130,3 +164,8 @@ class Qwen2VisionEncoder(nn.Module):
         cols = torch.arange(gw)[None, :].expand(gh, gw)
         order = lambda x: x.reshape(gh // m, m, gw // m, m).transpose(1, 2).flatten()  # noqa: E731
         return torch.stack([order(rows), order(cols)], dim=-1)
+
+
+def _by_groups(x: torch.Tensor, order: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows of `x` taken `size` at a time (a merger group), the groups in `order`."""
+    return x.unflatten(0, (-1, size))[order.to(x.device)].flatten(0, 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -41,10 +41,13 @@ class VisionConfig:
     projector_act: str = choice("gelu", *PROJECTOR_ACTS)  # the projector's activation, between its two matmuls
     # which tower: "vit" (SigLIP / CLIP, this file) or "qwen2_vl" (models/qwen2_vision.py: 2-D rotary positions and
     # a 2×2 patch merger, whose MLP is the projector; the keys below are its)
-    family: str = choice("vit", "vit", "qwen2_vl")
+    # (qwen2_5_vl: RMSNorm, a SwiGLU MLP and windowed attention)
+    family: str = choice("vit", "vit", "qwen2_vl", "qwen2_5_vl")
     temporal_patch_size: int = 2  # frames per patch; a still image is repeated to fill them
     merge_size: int = 2  # the merger joins merge_size × merge_size neighbouring patches into one LLM token
     rope_theta: float = 10000.0  # the tower's 2-D rotary base
+    window_size: int = 0  # Qwen2.5-VL: layers attend within windows this many pixels a side (0: whole images) …
+    full_attention_layers: list[int] = field(default_factory=list)  # … but these, over whole images
     hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 

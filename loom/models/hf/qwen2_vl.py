@@ -23,10 +23,10 @@ PREFIXES = {
 }
 ANCHORS = {"language": "embed_tokens.weight", "vision": "patch_embed.proj.weight", "projector": "merger.mlp.0.weight"}
 # loom's names (after names.py's vision rules) → the folder's, per sub-config model_type
-RENAMES = {
-    "qwen2_vl_vision": [(r"^encoder\.layers\.", "blocks."), (r"^ln_q\.", "merger.ln_q.")],
-    FAMILY: [(r"^linear_1\.", "merger.mlp.0."), (r"^linear_2\.", "merger.mlp.2.")],  # the projector's
-}
+TOWER_RENAMES = [(r"^encoder\.layers\.", "blocks."), (r"^ln_q\.", "merger.ln_q.")]
+MERGER_RENAMES = [(r"^linear_1\.", "merger.mlp.0."), (r"^linear_2\.", "merger.mlp.2.")]  # the projector's
+RENAMES = {"qwen2_vl_vision": TOWER_RENAMES, FAMILY: MERGER_RENAMES,
+           "qwen2_5_vl_vision": TOWER_RENAMES, "qwen2_5_vl": MERGER_RENAMES}  # Qwen2.5-VL's names alike
 ACTS = {"quick_gelu": "quick", "gelu": "none", "gelu_pytorch_tanh": "tanh"}
 # Qwen2VLConfig's text defaults (Qwen2-VL-7B), for keys an older flat config.json leaves out
 TEXT_DEFAULTS = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
