@@ -42,3 +42,19 @@ def write_qwen2vl(folder):
     model.save_pretrained(folder)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 4).save_pretrained(folder)
     return model, folder
+
+
+# Qwen2.5-VL: its tower with RMSNorm, SwiGLU, 112-pixel windows and one full-attention layer; Qwen2-VL's LLM
+TOWER_2_5 = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+                 spatial_merge_size=MERGE, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1])
+
+
+def write_qwen2_5_vl(folder):
+    """(transformers' Qwen2.5-VL model far from its init, in eval mode; its save_pretrained folder)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(**dict(CONFIG, vision_config=TOWER_2_5))
+    model = far_from_init(Qwen2_5_VLForConditionalGeneration(config)).eval()
+    model.save_pretrained(folder)
+    return model, folder

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from qwen2vl_folders import END_ID, IMAGE_ID, START_ID, write_qwen2vl  # noqa: E402
+from qwen2vl_folders import END_ID, IMAGE_ID, START_ID, write_qwen2_5_vl, write_qwen2vl  # noqa: E402
 
 from loom.data.mrope import mrope_positions  # noqa: E402
 from loom.data.spans import TokenSpans  # noqa: E402
@@ -16,12 +16,17 @@ from loom.models.hf import build_pretrained  # noqa: E402
 
 TOL = 1e-5
 # each sample's images (H, W pixels): two of different sizes, none, one, three
-IMAGES = [[(28, 56), (56, 28)], [], [(56, 84)], [(28, 28), (84, 56), (28, 56)]]
+IMAGES = [[(28, 56), (56, 28)], [], [(140, 84)], [(28, 28), (84, 56), (28, 56)]]
 
 
 @pytest.fixture(scope="module")
 def qwen2vl(tmp_path_factory):
     return write_qwen2vl(tmp_path_factory.mktemp("qwen2vl") / "folder")
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    return write_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "folder")
 
 
 def packed_samples(model, seed: int = 0):
@@ -56,8 +61,11 @@ def hf_logits(ref, samples) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def test_a_qwen2vl_folder_gives_transformers_logits_for_packed_samples(qwen2vl):
-    ref, folder = qwen2vl
+@pytest.mark.parametrize("name", ["qwen2vl", "qwen2_5_vl"])
+def test_a_qwen2vl_folder_gives_transformers_logits_for_packed_samples(request, name):
+    """Qwen2-VL's, and Qwen2.5-VL's (its windowed tower: the third sample's image, 5 × 3 merged tokens, spans two
+    112-pixel windows)."""
+    ref, folder = request.getfixturevalue(name)
     model = build_pretrained(folder).eval()
     assert model.placeholder_ids["vision"] == IMAGE_ID
     assert model.language.cfg.rope_scaling == {"rope_type": "mrope", "mrope_section": [2, 3, 3]}

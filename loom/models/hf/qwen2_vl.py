@@ -1,5 +1,6 @@
-"""The Qwen2-VL family (`model_type = "qwen2_vl"`): one folder holding the vision tower with its 2×2 patch merger and
-a Qwen2 LLM with M-RoPE.
+"""The Qwen2-VL family (`model_type = "qwen2_vl"`, and Qwen2.5-VL's `"qwen2_5_vl"`): one folder holding the vision
+tower with its 2×2 patch merger and a Qwen2 LLM with M-RoPE. Qwen2.5-VL's tower has RMSNorm, a SwiGLU MLP and
+windowed attention; its names, its LLM and its images' positions are Qwen2-VL's.
 
 Its config.json ↔ loom's module configs, and where each loom module's tensors sit in the folder (transformers 4's
 names, which 5's save_pretrained writes too, then 5's in-memory ones). The tower's `blocks.N` are loom's `layers.N`;
@@ -15,6 +16,7 @@ from loom.models.llm import LLMConfig
 from loom.models.vision import VisionConfig
 
 FAMILY = "qwen2_vl"
+MODEL_TYPES = (FAMILY, "qwen2_5_vl")
 PLACEHOLDER = "<|image_pad|>"  # the image placeholder of its tokenizer and processor
 PREFIXES = {
     "language": ("model.", "model.language_model."),
@@ -37,7 +39,7 @@ NOT_READ = "Qwen2-VL never reads it"  # nothing of the folder is left unread: ke
 
 
 def is_whole_model(hf: dict) -> bool:
-    return hf.get("model_type") == FAMILY
+    return hf.get("model_type") in MODEL_TYPES
 
 
 def image_token(hf: dict) -> int:
@@ -48,7 +50,7 @@ def sub_config(hf: dict, kind: str) -> dict:
     """The config of one module: the tower's vision_config, the whole config for the projector (the merger MLP),
     text_config (transformers 5) or the flat keys (4) for the LLM, read as a Qwen2 LLM."""
     if kind == "vision":
-        return dict(hf.get("vision_config") or {}, model_type="qwen2_vl_vision")
+        return dict(hf.get("vision_config") or {}, model_type=f"{hf['model_type']}_vision")
     if kind == "projector":
         return hf
     text = dict(hf.get("text_config") or {k: v for k, v in hf.items() if k not in TOWER_KEYS})
@@ -63,7 +65,8 @@ def configs(hf: dict, where: str, folder: str) -> tuple[LLMConfig, VisionConfig]
     if not (lm.rope_scaling or {}).get("mrope_section"):
         raise HFError(f"{where}: text_config has no rope mrope_section: a Qwen2-VL LLM turns its rotary frequencies "
                       f"with three position streams")
-    return lm, vision_config(sub_config(hf, "vision"), f"{where}: vision_config", lm.hidden_size, folder)
+    tower = vision_config if hf["model_type"] == FAMILY else vision_config_2_5
+    return lm, tower(sub_config(hf, "vision"), f"{where}: vision_config", lm.hidden_size, folder)
 
 
 def vision_config(v: dict, where: str, llm_hidden: int, folder: str = "") -> VisionConfig:
@@ -83,6 +86,28 @@ def vision_config(v: dict, where: str, llm_hidden: int, folder: str = "") -> Vis
                              intermediate_size=int(d * v.get("mlp_ratio", 4)), act=ACTS[act],
                              rope_theta=float(rope.get("rope_theta", 10000.0)), layer_norm_eps=1e-6,
                              projector_act="gelu", hf=folder)
+
+
+def vision_config_2_5(v: dict, where: str, llm_hidden: int, folder: str = "") -> VisionConfig:
+    """Qwen2.5-VL's tower: `hidden_size` its width, `out_hidden_size` the merger's output (Qwen2_5_VLVisionConfig's
+    defaults for keys it leaves out)."""
+    if v.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{where}: hidden_act = {v['hidden_act']!r} is not supported; loom's Qwen2.5-VL MLP is SwiGLU "
+                      f"(silu)")
+    if v.get("out_hidden_size", llm_hidden) != llm_hidden:
+        raise HFError(f"{where}: out_hidden_size = {v['out_hidden_size']} (the merger's output) differs from the "
+                      f"LLM's hidden_size {llm_hidden}")
+    rope = v.get("rope_parameters") or {}
+    return VisionConfig(family="qwen2_5_vl", channels=int(v.get("in_channels", v.get("in_chans", 3))),
+                        patch_size=int(v.get("patch_size", 14)),
+                        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+                        merge_size=int(v.get("spatial_merge_size", 2)), hidden_size=int(v.get("hidden_size", 3584)),
+                        num_layers=int(v.get("depth", 32)), num_heads=int(v.get("num_heads", 16)),
+                        intermediate_size=int(v.get("intermediate_size", 3420)), act="none",
+                        rope_theta=float(rope.get("rope_theta", 10000.0)), layer_norm_eps=1e-6,
+                        window_size=int(v.get("window_size", 112)),
+                        full_attention_layers=[int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))],
+                        projector_act="gelu", hf=folder)
 
 
 def part_prefix(kind: str, names, where: str) -> tuple[str, str]:
