@@ -176,9 +176,9 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
         )
     if name == "vision" and enc.family in ("qwen2_vl", "qwen2_5_vl") and (lay.tp > 1 or lay.pp > 1):
         raise ConfigError(f"vision: tp = {lay.tp}, pp = {lay.pp} with Qwen2-VL's tower (model.vision.family = "
-                          f"{enc.family!r}): loom runs it data-parallel only for now (its fused qkv has no tensor-parallel "
-                          f"plan, and a shard or stage would need whole 2×2 merger groups); set layout.vision.tp = 1 "
-                          f"and layout.vision.pp = 1 and give it dp")
+                          f"{enc.family!r}): loom runs it data-parallel only for now (its fused qkv has no "
+                          f"tensor-parallel plan, and a shard or stage would need whole 2×2 merger groups); set "
+                          f"layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
     _divides(lay, "tp", {"num_heads": enc.num_heads, "hidden_size": enc.hidden_size,
                          "intermediate_size": enc.intermediate_size}, f"model.{name}")
 
