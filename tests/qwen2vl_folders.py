@@ -50,11 +50,13 @@ TOWER_2_5 = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out
 
 
 def write_qwen2_5_vl(folder):
-    """(transformers' Qwen2.5-VL model far from its init, in eval mode; its save_pretrained folder)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """(transformers' Qwen2.5-VL model far from its init, in eval mode; its save_pretrained folder with a processor
+    that sizes every image to 20–30 merged tokens: more than one 112-pixel window)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     torch.manual_seed(0)
     config = Qwen2_5_VLConfig(**dict(CONFIG, vision_config=TOWER_2_5))
     model = far_from_init(Qwen2_5_VLForConditionalGeneration(config)).eval()
     model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 20, max_pixels=28 * 28 * 30).save_pretrained(folder)
     return model, folder

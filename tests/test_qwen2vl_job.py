@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_chat_tokenizer  # noqa: E402
-from qwen2vl_folders import write_qwen2vl  # noqa: E402
+from qwen2vl_folders import write_qwen2_5_vl, write_qwen2vl  # noqa: E402
 from test_hf_llava import _image_conversations  # noqa: E402
 
 # (world size, overrides); 2-rank worlds first (the pool keeps two worlds alive)
@@ -28,6 +28,25 @@ def qwen2vl_job(tmp_path_factory):
     return [f"--model.hf={folder}", f"--model.tokenizer={tiny_chat_tokenizer(root / 'tok')}",
             f'--data.sources=[{{path = "{_image_conversations(root / "data")}", weight = 1.0}}]',
             "--data.heldout_size=2", "--train.global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl_job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen2_5_vl_job")
+    _, folder = write_qwen2_5_vl(root / "folder")
+    (root / "tok").mkdir()
+    return [f"--model.hf={folder}", f"--model.tokenizer={tiny_chat_tokenizer(root / 'tok')}",
+            f'--data.sources=[{{path = "{_image_conversations(root / "data")}", weight = 1.0}}]',
+            "--data.heldout_size=2", "--train.global_batch_size=8"]
+
+
+def test_loom_verify_passes_for_a_qwen2_5_vl_folder_with_the_llm_at_cp2(qwen2_5_vl_job, worlds):
+    """Qwen2.5-VL's windowed tower (images of 20–30 merged tokens: several windows each) at dp2, the LLM at cp2."""
+    per_rank = worlds.run(2, _verify, [*qwen2_5_vl_job, *LAYOUTS["llm-cp2"][1]], timeout=300)
+    for checks in per_rank:
+        assert len(checks) == 2 and all(c["passed"] and c["modules"] == ["language", "vision"] for c in checks), checks
+        assert all(c["ref_norm"] > c["clip"] for c in checks)
+    assert per_rank[0] == per_rank[1]
 
 
 def _verify(overrides: list[str]) -> list[dict]:
