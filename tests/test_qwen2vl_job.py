@@ -94,15 +94,20 @@ def test_a_qwen2vl_job_packs_three_position_streams_from_its_images_grids(qwen2v
     assert (batch.positions[:, 1] != batch.positions[:, 2]).any()
 
 
-def test_a_qwen2vl_job_trains_and_exports_a_folder_transformers_reads_with_equal_logits(qwen2vl_job, tmp_path,
-                                                                                         capsys):
-    """One step in fp32 on a user's conversations, a checkpoint, `loom export` → one qwen2_vl folder that
-    Qwen2VLForConditionalGeneration loads without a missing or unexpected tensor, its logits loom's."""
+@pytest.mark.parametrize("job,family", [("qwen2vl_job", "Qwen2VL"), ("qwen2_5_vl_job", "Qwen2_5_VL")])
+def test_a_qwen2vl_job_trains_and_exports_a_folder_transformers_reads_with_equal_logits(request, job, family,
+                                                                                         tmp_path, capsys):
+    """One step in fp32 on a user's conversations, a checkpoint, `loom export` → one folder of the family that
+    its *ForConditionalGeneration loads without a missing or unexpected tensor, its logits loom's."""
+    import transformers as hf
+
     import loom.cli
     from loom.job import load_config
     from loom.train.trainer import Trainer
     from test_hf_qwen2vl import hf_logits, packed_samples
-    from transformers import Qwen2VLForConditionalGeneration
+
+    qwen2vl_job = request.getfixturevalue(job)
+    model_class = getattr(hf, f"{family}ForConditionalGeneration")
 
     from loom.data.mrope import mrope_positions
     from loom.data.spans import TokenSpans
@@ -118,7 +123,7 @@ def test_a_qwen2vl_job_trains_and_exports_a_folder_transformers_reads_with_equal
     assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
     capsys.readouterr()
 
-    back, info = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    back, info = model_class.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     model.eval()
     samples = packed_samples(model, seed=3)  # the folder's image token; the job's placeholder is the tokenizer's
