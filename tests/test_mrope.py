@@ -118,3 +118,24 @@ def _cp_logits_minus_whole() -> float:
 
 def test_an_mrope_llm_at_cp2_gives_the_one_process_logits(worlds):
     assert max(worlds.run(2, _cp_logits_minus_whole)) <= TOL
+
+
+def test_padded_samples_carry_the_streams_too_and_give_the_packed_logits():
+    """BSHD: positions [rows, seq, 3] (a filler row 0, 1, 2, … on every stream); each sample's logits equal its
+    packed ones."""
+    from loom.data.batch import pad_samples
+
+    torch.manual_seed(0)
+    lm = DecoderLM(LLMConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=96, rope_scaling={"rope_type": "mrope", "mrope_section": [2, 3, 3]},
+                             init_std=0.2)).eval()
+    samples = [Sample(x, [True] * len(x), [], [], rope_positions=mrope_positions(x, IMAGE_ID, grids, MERGE))
+               for x, grids in ((sample_ids(grids, k), grids) for k, grids in enumerate(GRIDS))]
+    padded, packed = pad_samples(samples, 0, rows=len(samples) + 1), pack_samples(samples, 0)
+    assert padded.positions.shape == (len(samples) + 1, padded.input_ids.shape[1], 3)
+    assert torch.equal(padded.positions[-1, :, 2], torch.arange(padded.input_ids.shape[1]))
+    with torch.no_grad():
+        rows, flat = lm(padded.input_ids, padded.positions, padded.spans), lm(packed.input_ids, packed.positions,
+                                                                             packed.spans)
+    for r, (start, s) in enumerate(zip(packed.spans.cu_seqlens.tolist(), samples)):
+        assert (rows[r, :len(s)] - flat[start:start + len(s)]).abs().max() <= TOL
