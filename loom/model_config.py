@@ -134,6 +134,15 @@ class VisionConfig:
     final_norm: bool = True  # post_layernorm on the last layer's output; a LLaVA tower's LLM reads a layer's output
     drop_first_row: bool = False  # LLaVA's "default" feature strategy: each image's first output row ([CLS]) dropped
     projector_act: str = choice("gelu", *PROJECTOR_ACT_NAMES)  # the projector's activation, between its two matmuls
+    # which tower: "vit" (SigLIP / CLIP, models/vision.py) or "qwen2_vl" (models/qwen2_vision.py: 2-D rotary
+    # positions and a 2×2 patch merger, whose MLP is the projector; the keys below are its)
+    # (qwen2_5_vl: RMSNorm, a SwiGLU MLP and windowed attention)
+    family: str = choice("vit", "vit", "qwen2_vl", "qwen2_5_vl")
+    temporal_patch_size: int = 2  # frames per patch; a still image is repeated to fill them
+    merge_size: int = 2  # the merger joins merge_size × merge_size neighbouring patches into one LLM token
+    rope_theta: float = 10000.0  # the tower's 2-D rotary base
+    window_size: int = 0  # Qwen2.5-VL: layers attend within windows this many pixels a side (0: whole images) …
+    full_attention_layers: list[int] = field(default_factory=list)  # … but these, over whole images
     hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 

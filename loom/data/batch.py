@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from loom.data.mrope import padded_streams
 from loom.data.sample import Sample, decoded
 from loom.data.spans import TokenSpans
 
@@ -21,7 +22,7 @@ class Batch:
 
     input_ids: torch.Tensor
     labels: torch.Tensor  # next-token targets; IGNORE_INDEX where nothing is supervised
-    positions: torch.Tensor  # position of each token inside its own sample
+    positions: torch.Tensor  # position of each token inside its own sample; M-RoPE: labels' shape + [3] streams
     spans: TokenSpans
     modality_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # in placeholder order
     host_ids: torch.Tensor | None = None  # input_ids as they were on the host before .to(device)
@@ -49,7 +50,7 @@ class Batch:
         beside the head's logits of those rows (spans kept: the sample count). Itself without targets."""
         if self.targets is None:
             return self
-        at = lambda t: t.reshape(-1).index_select(0, self.targets)  # noqa: E731
+        at = lambda t: token_rows(t, self.labels).index_select(0, self.targets)  # noqa: E731
         return Batch(at(self.input_ids), at(self.labels), at(self.positions), self.spans,
                      fields={k: at(t) for k, t in self.fields.items()})
 
@@ -70,6 +71,12 @@ class Batch:
                      {k: [fn(t) for t in v] for k, v in self.modality_inputs.items()},
                      self.input_ids if self.input_ids.device.type == "cpu" else self.host_ids,
                      {k: fn(t) for k, t in self.fields.items()}, None if self.targets is None else fn(self.targets))
+
+
+def token_rows(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A per-token tensor with its token dims (the labels') flattened into one: [tokens, ...] (M-RoPE's three
+    position streams stay a trailing dim)."""
+    return values.reshape(-1, *values.shape[labels.dim():])
 
 
 def target_rows(labels: torch.Tensor) -> torch.Tensor:
@@ -161,6 +168,9 @@ def pad_samples(samples: list[Sample], pad_id: int, multiple_of: int = 1, backen
     # SDPA kernels without a safe softmax); it has no labels, so it adds nothing to the loss or the gradients
     mask[len(samples):, 0] = True
     positions = torch.arange(seq).expand(rows, seq).clone()
+    if any(s.rope_positions is not None for s in samples):  # M-RoPE: [rows, seq, 3], filler rows 0, 1, 2, …
+        positions = torch.stack([padded_streams(s.rope_positions, len(s), seq) for s in samples]
+                                + [padded_streams(None, 0, seq)] * (rows - len(samples)))
     counted = mask.clone()
     counted[len(samples):] = False  # a filler row's token marked real for attention is not a sample's
     spans = replace(TokenSpans.from_pad_mask(mask, backend), counted=counted)

@@ -10,7 +10,9 @@ bicubic, 1/255, 0.5 and 0.5 (SigLIP's).
 
 A whole-model folder's images (LLaVA's) are sized as its processor sizes them instead (`ImageRule.of(…,
 processor_sizes=True)`): CLIP's shorter side to `size.shortest_edge` (aspect kept, the longer side truncated) and a
-centred `crop_size` crop, or a resize straight to `size.height × width` — every image then has the tower's size.
+centred `crop_size` crop, or a resize straight to `size.height × width` — every image then has the tower's size;
+Qwen2-VL's (`merge_size` in the file) by the rule above with its `min_pixels` / `max_pixels` (`size.shortest_edge` /
+`longest_edge` in transformers 5) and sides of whole merger groups (patch_size · merge_size pixels).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class ImageRule:
     resample: int = Image.Resampling.BICUBIC  # a Pillow filter, as preprocessor_config.json's "resample" holds
     shortest_edge: int = 0  # CLIP's processor: the shorter side resized to this first (0: Qwen2-VL's rule above)
     size: tuple[int, int] | None = None  # (H, W) every image ends at: CLIP's centred crop, or a straight resize
+    smart_resize: bool = False  # Qwen2-VL's processor: its smart_resize to the letter (a side under half a patch too)
 
     @staticmethod
     def of(patch: int, min_pixels: int, max_pixels: int, folder: str | Path | None = None,
@@ -74,8 +77,9 @@ class ImageRule:
         if len(mean) != 3 or len(std) != 3 or not all(x > 0 for x in std):
             raise PreprocessorConfigError(f"{config}: image_mean = {list(mean)}, image_std = {list(std)}: need "
                                           f"three of each, every std > 0")
-        sizes = _processor_sizes(data, config) if processor_sizes else {}
-        return ImageRule(patch, min_pixels, max_pixels, mean, std, factor, resample, **sizes)
+        sizes = dict(patch=patch, min_pixels=min_pixels, max_pixels=max_pixels)
+        sizes.update(_processor_sizes(data, config) if processor_sizes else {})
+        return ImageRule(**sizes, mean=mean, std=std, rescale_factor=factor, resample=resample)
 
 
 def _processor_sizes(data: dict, config: Path) -> dict:
@@ -85,6 +89,8 @@ def _processor_sizes(data: dict, config: Path) -> dict:
         crop = {"height": crop, "width": crop}
     if not data.get("do_resize", True):
         raise PreprocessorConfigError(f"{config}: do_resize = false: loom resizes every image to the tower's size")
+    if "merge_size" in data:
+        return _qwen2_vl_sizes(data, size)
     if "shortest_edge" in size:
         if not data.get("do_center_crop", True) or not {"height", "width"} <= set(crop):
             raise PreprocessorConfigError(f"{config}: size.shortest_edge without a centre crop (do_center_crop, "
@@ -98,6 +104,15 @@ def _processor_sizes(data: dict, config: Path) -> dict:
         return {"size": (int(size["height"]), int(size["width"]))}
     raise PreprocessorConfigError(f"{config}: size = {size}, crop_size = {crop}: loom reads size.shortest_edge with "
                                   f"a centre crop (CLIP's processor) or size.height and width (SigLIP's)")
+
+
+def _qwen2_vl_sizes(data: dict, size: dict) -> dict:
+    """Qwen2-VL's processor: sides in whole merger groups, the pixel count within its bounds (transformers 5's
+    `size.shortest_edge` / `longest_edge`, 4's `min_pixels` / `max_pixels`; its defaults where neither is)."""
+    least = size.get("shortest_edge") or size.get("min_pixels") or data.get("min_pixels") or 56 * 56
+    most = size.get("longest_edge") or size.get("max_pixels") or data.get("max_pixels") or 28 * 28 * 1280
+    return {"patch": int(data.get("patch_size", 14)) * int(data["merge_size"]), "min_pixels": int(least),
+            "max_pixels": int(most), "smart_resize": True}
 
 
 def target_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
@@ -114,6 +129,8 @@ def resized_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
         return (other, rule.shortest_edge) if width <= height else (rule.shortest_edge, other)
     if rule.size:
         return rule.size
+    if rule.smart_resize:
+        return smart_resize(height, width, rule)
     p = rule.patch
     h, w = max(p, round(height / p) * p), max(p, round(width / p) * p)
     if h * w > rule.max_pixels:
@@ -121,6 +138,22 @@ def resized_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
         h, w = max(p, math.floor(height / beta / p) * p), max(p, math.floor(width / beta / p) * p)
         while h * w > rule.max_pixels:  # one side held at a whole patch: the other gives way
             h, w = (h - p, w) if h >= w else (h, w - p)
+    elif h * w < rule.min_pixels:
+        beta = math.sqrt(rule.min_pixels / (height * width))
+        h, w = math.ceil(height * beta / p) * p, math.ceil(width * beta / p) * p
+    return h, w
+
+
+def smart_resize(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
+    """Qwen2-VL's smart_resize as its processor runs it: unlike resized_size, a side rounds to 0 patches before
+    the pixel bounds are applied (a thin image then grows by the min_pixels rule)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"an image of {height}×{width} pixels: Qwen2-VL's processor takes aspect ratios up to 200")
+    p = rule.patch
+    h, w = round(height / p) * p, round(width / p) * p
+    if h * w > rule.max_pixels:
+        beta = math.sqrt(height * width / rule.max_pixels)
+        h, w = max(p, math.floor(height / beta / p) * p), max(p, math.floor(width / beta / p) * p)
     elif h * w < rule.min_pixels:
         beta = math.sqrt(rule.min_pixels / (height * width))
         h, w = math.ceil(height * beta / p) * p, math.ceil(width * beta / p) * p

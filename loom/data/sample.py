@@ -57,6 +57,8 @@ class Sample:
     # per-token values an objective reads beside the labels (advantages, behaviour or reference logprobs, …):
     # name → one value per token, aligned with the labels (value i belongs to the target at position i)
     token_fields: dict[str, list[float]] = field(default_factory=dict)
+    # M-RoPE models (Qwen2-VL): each token's (time, height, width) position (data/mrope.py); None: 0, 1, 2, …
+    rope_positions: list[tuple[int, int, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -68,7 +68,7 @@ def check_language(lm: LLMConfig, tokenizer_vocab: int) -> None:
 # each rope type's keys that have no default (Hugging Face's names)
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-             "yarn": ("factor", "original_max_position_embeddings")}
+             "yarn": ("factor", "original_max_position_embeddings"), "mrope": ()}
 
 
 def check_rope_scaling(lm: LLMConfig) -> None:
@@ -79,6 +79,12 @@ def check_rope_scaling(lm: LLMConfig) -> None:
     if kind not in ROPE_KEYS:
         raise ConfigError(f"model.language.rope_scaling: rope type {kind!r} is not supported; use one of "
                           f"{sorted(ROPE_KEYS)}")
+    if kind == "mrope":  # Qwen2-VL: three sections of the rotary frequencies, one per position stream
+        section = lm.rope_scaling.get("mrope_section")
+        if not (isinstance(section, list) and len(section) == 3 and sum(section) == lm.rope_dim // 2):
+            raise ConfigError(f"model.language.rope_scaling: mrope needs mrope_section, three counts summing to half "
+                              f"the rotary dims ({lm.rope_dim // 2}); it has {lm.rope_scaling}")
+        return
     missing = [k for k in ROPE_KEYS[kind] if not isinstance(lm.rope_scaling.get(k), (int, float))]
     if missing:
         raise ConfigError(f"model.language.rope_scaling: {kind} scaling needs {missing} (numbers); it has "

@@ -62,7 +62,7 @@ def _rule(name: str, owner: nn.Module, attr: str, llm_std: float | None):
     if attr == "class_embedding":  # a CLIP tower's [CLS] row, drawn as CLIP draws it
         std = owner.class_embedding.shape[-1] ** -0.5
         return lambda t, gen: t.normal_(0.0, std, generator=gen)
-    if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+    if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):  # Conv3d: Qwen2-VL's patch embedding
         bound = 1.0 / math.sqrt(math.prod(owner.weight.shape[1:]))  # fan_in: in_features × kernel size (global shape)
         return lambda t, gen: t.uniform_(-bound, bound, generator=gen)
     raise TypeError(f"{name}: no initialisation rule for a {type(owner).__name__}.{attr}; add one to "

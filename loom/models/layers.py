@@ -29,7 +29,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     """Inverse frequencies of rotary embedding, with the rope scalings found in Llama/Qwen/DeepSeek configs."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = rope_type(scaling)
-    if kind == "default":
+    if kind in ("default", "mrope"):  # transformers 4's Qwen2-VL names its M-RoPE "mrope": default frequencies
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
@@ -37,7 +37,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported; use one of: default, linear, llama3, yarn")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; use one of: default, linear, llama3, yarn, mrope")
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -91,21 +91,43 @@ def rope_attention_factor(scaling: dict | None) -> float:
 
 
 class Rotary(nn.Module):
-    """Rotary embedding for explicit positions, so packed samples restart at 0 and CP keeps global ones."""
+    """Rotary embedding for explicit positions, so packed samples restart at 0 and CP keeps global ones.
+
+    M-RoPE (Qwen2-VL: `mrope_section` in the rope scaling): positions carry three streams (time, height, width) in
+    a trailing dim, and frequency j turns with stream 0 for the first section's j, 1 for the next, 2 for the last."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.attention_factor = rope_attention_factor(scaling)
+        self.sections = list((scaling or {}).get("mrope_section") or [])
+        if self.sections and sum(self.sections) != head_dim // 2:
+            raise ValueError(f"rope_scaling.mrope_section {self.sections} must sum to half the rotary dims, "
+                             f"{head_dim // 2}")
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.register_buffer("stream", self._streams(), persistent=False)
+
+    def _streams(self) -> torch.Tensor:
+        """Which position stream each frequency reads (M-RoPE); empty otherwise."""
+        return torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(self.sections)]
+                         or [torch.zeros(0, dtype=torch.long)])
 
     def reset_buffers(self) -> None:
         """Recomputes the frequencies (after a module built on `meta` gets storage), in fp32 whatever the
         module's dtype: bf16 frequencies would shift every rotation."""
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(self.inv_freq.device)
+        self.stream = self._streams().to(self.inv_freq.device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq.float()
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, token_dims: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_dims`: the tokens' dims (1 packed, 2 padded); an M-RoPE model given one stream per token
+        (text alone) uses it for all three."""
+        if self.sections:
+            if positions.dim() == token_dims:
+                positions = positions.unsqueeze(-1).expand(*positions.shape, 3)
+            freqs = positions.float().index_select(-1, self.stream) * self.inv_freq.float()
+        else:
+            freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]  # broadcast over heads
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:

@@ -115,7 +115,7 @@ class DecoderLM(nn.Module):
         tokens), all when None.
         Everything runs inside this forward so FSDP's hooks gather the embedding and head weights."""
         h = embed_with_inserts(self.embed_tokens, input_ids, inserts)
-        rope = self.rotary(positions, h.dtype)
+        rope = self.rotary(positions, h.dtype, input_ids.dim())
         for name, layer in self.layers.items():
             h = layer(h, rope, spans) if cache is None else layer(h, rope, spans, cache.layer(name))
         return self.lm_head(self.norm(h if logits_at is None else at_rows(h, logits_at)))

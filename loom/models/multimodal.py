@@ -16,16 +16,18 @@ from loom.model_config import ModelConfig  # noqa: F401 (its import path before 
 from loom.models.audio import AudioEncoder
 from loom.models.llm import DecoderLM
 from loom.models.projector import Projector
+from loom.models.qwen2_vision import Qwen2VisionEncoder
 from loom.models.vision import VisionEncoder
 
 
 class ModalityEncoder(nn.Module):
     """An encoder and its projector: inputs of one modality → [tokens, llm_hidden]."""
 
-    def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu") -> None:
+    def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu", hidden: int = 0) -> None:
+        """`hidden`: the projector's width between its matmuls (0: llm_hidden; Qwen2-VL's merger: its input's)."""
         super().__init__()
         self.encoder = encoder
-        self.projector = Projector(encoder.out_dim, llm_hidden, projector_act)
+        self.projector = Projector(encoder.out_dim, llm_hidden, projector_act, hidden)
 
     def num_tokens(self, item: torch.Tensor) -> int:
         return self.encoder.num_tokens(item)
@@ -89,7 +91,11 @@ def build_model(
     """`make(cls, cfg)` builds the LLM and each encoder (e.g. loading pretrained weights); projectors are new."""
     encoders = {}
     if vision is not None:
-        encoders["vision"] = ModalityEncoder(make(VisionEncoder, vision), language.hidden_size, vision.projector_act)
+        qwen = vision.family in ("qwen2_vl", "qwen2_5_vl")
+        tower = make(Qwen2VisionEncoder if qwen else VisionEncoder, vision)
+        # Qwen2-VL's merger MLP keeps its input's width in between (LLaVA's projector: the LLM's)
+        hidden = tower.out_dim if qwen else 0
+        encoders["vision"] = ModalityEncoder(tower, language.hidden_size, vision.projector_act, hidden)
     if audio is not None:
         encoders["audio"] = ModalityEncoder(make(AudioEncoder, audio), language.hidden_size)
     return MultimodalModel(make(DecoderLM, language), encoders, placeholder_ids)

@@ -1,4 +1,5 @@
-"""Projects encoder features into the LLM's hidden size (LLaVA's two-layer MLP)."""
+"""Projects encoder features into the LLM's hidden size (LLaVA's two-layer MLP; Qwen2-VL's merger MLP, which keeps
+its input's width in between)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ PROJECTOR_ACTS = {
 
 
 class Projector(nn.Module):
-    def __init__(self, in_dim: int, out_dim: int, act: str = "gelu") -> None:
+    def __init__(self, in_dim: int, out_dim: int, act: str = "gelu", hidden: int = 0) -> None:
+        """`hidden`: the width between the two matmuls (0: out_dim, LLaVA's)."""
         super().__init__()
-        self.linear_1 = nn.Linear(in_dim, out_dim)
-        self.linear_2 = nn.Linear(out_dim, out_dim)
+        self.linear_1 = nn.Linear(in_dim, hidden or out_dim)
+        self.linear_2 = nn.Linear(hidden or out_dim, out_dim)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from loom.data.batch import gather_modality_inputs
+from loom.data.mrope import with_mrope_positions
 from loom.data.packing import pack_samples
 from loom.data.sample import Sample
 from loom.data.spans import TokenSpans
@@ -51,9 +52,11 @@ class Sampler:
         self.decode = (torch.compile(self._decode, backend=compile_backend, dynamic=False) if compile_backend
                        else self._decode)
 
-    def _decode(self, fed: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per row through the LLM: its next-token logits; the cache holds one more key per row."""
-        logits = self.model.language(fed, cache.lengths[:, None], self.spans, None, cache)[:, 0]
+    def _decode(self, fed: torch.Tensor, cache: KVCache, shift: torch.Tensor) -> torch.Tensor:
+        """One token per row through the LLM: its next-token logits; the cache holds one more key per row. `shift`:
+        each row's position minus its cache length (M-RoPE's: an image's tokens advance the position by less
+        than their count)."""
+        logits = self.model.language(fed, (cache.lengths + shift)[:, None], self.spans, None, cache)[:, 0]
         cache.advance(1)
         return logits
 
@@ -67,8 +70,11 @@ class Sampler:
         model.eval()
         cache = KVCache(lm.cfg, list(lm.layers), len(prompts), max(map(len, prompts)) + params.max_new_tokens,
                         next(lm.parameters()).dtype, device)
-        text = [Sample(p.tokens, [False] * len(p), [], []) for p in prompts]
+        text = [Sample(p.tokens, [False] * len(p), [], [], rope_positions=self._streams(p)) for p in prompts]
         batch = pack_samples(text, self.pad_id, backend=self.backend).to(device)
+        # the answer's positions go on from each prompt's largest + 1 (its length, but for M-RoPE's images)
+        shift = torch.tensor([max(map(max, t.rope_positions)) + 1 - len(t) if t.rope_positions else 0 for t in text],
+                             device=device)
         embeds = model.encode({k: [x.to(device) for x in v] for k, v in gather_modality_inputs(prompts).items()})
         ends = batch.spans.cu_seqlens[1:].long() - 1  # each prompt's last token: its logits start the answer
         last = lm(batch.input_ids, batch.positions, batch.spans, model.inserts(batch.input_ids, embeds), cache, ends)
@@ -86,9 +92,17 @@ class Sampler:
                 break
             # finished rows decode padding (their outputs are ignored): every row keeps one shape
             fed = torch.where(torch.tensor(done, device=device), self.pad_id, token)[:, None]
-            last = self.decode(fed, cache)
+            last = self.decode(fed, cache, shift)
         model.train(was_training)
         return out
+
+    def _streams(self, prompt: Sample) -> list[tuple[int, int, int]] | None:
+        """An M-RoPE model's (Qwen2-VL's) three position streams of a prompt, from its images' grids; else None."""
+        if not self.model.language.rotary.sections:
+            return None
+        tower = self.model.encoder("vision").encoder.cfg
+        return with_mrope_positions(prompt, self.model.placeholder_ids["vision"], tower.patch_size,
+                                    tower.merge_size).rope_positions
 
 
 def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, never: list[int] = ()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from loom.data.batch import Batch, target_rows
+from loom.data.batch import Batch, target_rows, token_rows
 from loom.data.spans import TokenSpans
 from loom.models.attention import attend_prefix
 
@@ -160,7 +160,8 @@ def _as_packed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
         cu = batch.spans.cu_seqlens.tolist()
         return batch.input_ids, batch.labels, batch.positions, [b - a for a, b in zip(cu[:-1], cu[1:])]
     rows, seq = batch.input_ids.shape  # one sample per row; trailing pads are never attended (causal)
-    return batch.input_ids.reshape(-1), batch.labels.reshape(-1), batch.positions.reshape(-1), [seq] * rows
+    return (batch.input_ids.reshape(-1), batch.labels.reshape(-1), token_rows(batch.positions, batch.labels),
+            [seq] * rows)
 
 
 def _context(group, lengths: list[int], gathered: torch.Tensor, rank: int, size: int, device) -> ContextShard:

@@ -168,7 +168,7 @@ class StageModule(nn.Module):
             h = embed_with_inserts(self.embed_tokens, x, self.table.rows.inserts(int(mb), data.selectors))
         else:
             h = x
-        rope = self.rotary(data.batch.positions, h.dtype)
+        rope = self.rotary(data.batch.positions, h.dtype, data.batch.labels.dim())
         for layer in self.layers.values():
             h = layer(h, rope, data.batch.spans)
         if self.lm_head is None:

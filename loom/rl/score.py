@@ -4,7 +4,8 @@ layout, by the step program run forward only with the `Scorer` objective.
 
 Where each score belongs travels as per-token fields (`score_sample`: the sample's index in the input), so
 packing, CP's load-balanced sharding and the pipeline's microbatch table move them with the labels and
-nothing has to undo a permutation; a token's place in its sample is its position. Every rank that runs the
+nothing has to undo a permutation; a token's place in its sample travels so too (`score_position`: M-RoPE's
+positions repeat within an image). Every rank that runs the
 loss computes (the vocabulary's sums are collectives over tp); the ranks that add the step's loss (the LLM's
 last stage, tp rank 0) contribute their records, every rank receives them all (all_gather_object), and the
 samples come back in input order. A packed batch's labels never cross into the
@@ -29,6 +30,7 @@ from loom.train.step import forward_pass
 from loom.train.token_stats import VocabShard, token_stats, top_k, vocab_shard
 
 SAMPLE = "score_sample"
+POSITION = "score_position"  # a token's index in its sample
 CHUNK_TOKENS = 1024
 
 
@@ -58,7 +60,7 @@ class Scorer:
         shard = vocab_shard(logits)  # every tp rank computes (the vocabulary's sums are collectives over tp)
         local = shard.local.reshape(-1, shard.local.shape[-1])
         labels, sample = batch.labels.reshape(-1), batch.fields[SAMPLE].reshape(-1)
-        positions = batch.positions.reshape(-1)
+        positions = batch.fields[POSITION].reshape(-1).long()
         for start in range(0, labels.numel(), CHUNK_TOKENS):
             part = slice(start, start + CHUNK_TOKENS)
             self._record(VocabShard(local[part], shard.offset, shard.group), labels[part], sample[part],
@@ -97,8 +99,10 @@ def score_samples(plan, model, samples: list[Sample], cfg, tok, counters, device
 
 
 def _tagged(sample: Sample, index: int) -> Sample:
-    """`sample` with its index in the input on every token (the `score_sample` field)."""
-    fields = {**sample.token_fields, SAMPLE: [float(index)] * len(sample)}  # exact in fp32 below 2**24
+    """`sample` with its index in the input and each token's index in it (the `score_sample` and `score_position`
+    fields)."""
+    fields = {**sample.token_fields, SAMPLE: [float(index)] * len(sample),  # exact in fp32 below 2**24
+              POSITION: [float(i) for i in range(len(sample))]}
     return dataclasses.replace(sample, token_fields=fields)
 
 

@@ -174,6 +174,11 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
             f"{name}: cp = {lay.cp}, but encoders do not use context parallelism; give the {name} encoder "
             f"cp = 1 and more dp instead (its batch is spread over the LLM's cp ranks)"
         )
+    if name == "vision" and enc.family in ("qwen2_vl", "qwen2_5_vl") and (lay.tp > 1 or lay.pp > 1):
+        raise ConfigError(f"vision: tp = {lay.tp}, pp = {lay.pp} with Qwen2-VL's tower (model.vision.family = "
+                          f"{enc.family!r}): loom runs it data-parallel only for now (its fused qkv has no "
+                          f"tensor-parallel plan, and a shard or stage would need whole 2×2 merger groups); set "
+                          f"layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
     _divides(lay, "tp", {"num_heads": enc.num_heads, "hidden_size": enc.hidden_size,
                          "intermediate_size": enc.intermediate_size}, f"model.{name}")
 

@@ -8,6 +8,7 @@ from collections import defaultdict
 import torch
 
 from loom.data.batch import IGNORE_INDEX
+from loom.data.mrope import with_mrope_positions
 from loom.data.packing import pack_samples
 from loom.data.sample import Sample
 from loom.data.tasks import CHANCE
@@ -74,6 +75,10 @@ def evaluate(
 
 def _teacher_forced(model, samples: list[Sample], tok, device, backend) -> list[tuple[int, int]]:
     """(correct next-token predictions, supervised tokens) per sample, given the true answer so far."""
+    if model.language.rotary.sections:  # an M-RoPE model (Qwen2-VL): three position streams from the image grids
+        tower = model.encoder("vision").encoder.cfg
+        samples = [with_mrope_positions(s, model.placeholder_ids["vision"], tower.patch_size, tower.merge_size)
+                   for s in samples]
     batch = pack_samples(samples, tok.pad_id, backend=backend).to(device)
     logits = model(batch.input_ids, batch.positions, batch.spans, batch.modality_inputs)
     right = (logits.argmax(-1) == batch.labels) & (batch.labels != IGNORE_INDEX)

@@ -27,6 +27,7 @@ from loom.data.batch import Batch, pad_samples, round_up, supervised_sequences
 from loom.data.bins import assign_bins, bin_stats
 from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
+from loom.data.mrope import with_mrope_positions
 from loom.data.conversations import BadSample
 from loom.data.sample import Sample, decoded
 from loom.data.shapes import SampleShape, shape_fields, shape_of
@@ -104,6 +105,7 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: in
     rows of exactly that many tokens (`rows` of them)."""
     d, backend = cfg.data, cfg.model.attention
     multiple = multiple or d.pad_to_multiple
+    samples = [with_streams(s, cfg, tok) for s in samples]
     # compiled blocks specialise on the token count's alignment and size range, and under FSDP one rank's
     # recompile stalls them all: rounding the count up to a multiple of 64 keeps the variants few
     step = math.lcm(multiple, COMPILED_TOKEN_MULTIPLE) if cfg.train.compile else multiple
@@ -120,6 +122,15 @@ def collate(samples: list[Sample], cfg: JobConfig, tok: Vocabulary, multiple: in
                                                         segments=segments, max_seqlen=length),
                               counted=batch.spans.counted)
     return batch
+
+
+def with_streams(sample: Sample, cfg: JobConfig, tok: Vocabulary) -> Sample:
+    """An M-RoPE model's sample (Qwen2-VL) with its three position streams, read from its images' grids (so built
+    before a step's LLM part drops its media); any other sample as it is."""
+    if sample.rope_positions is not None or not (cfg.model.language.rope_scaling or {}).get("mrope_section"):
+        return sample
+    v = cfg.model.vision
+    return with_mrope_positions(sample, tok.placeholder_ids["vision"], v.patch_size, v.merge_size)
 
 
 def limit(cfg: JobConfig) -> tuple[str, int]:
@@ -300,7 +311,8 @@ def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[
         llm = None
         if llm_rank is not None:
             # the LLM's part goes without media: the encoders' parts above carry them
-            text = [dataclasses.replace(s, images=[], audio=[]) for p in mine if (s := sample(p)) is not None]
+            text = [dataclasses.replace(with_streams(s, cfg, tok), images=[], audio=[]) for p in mine
+                    if (s := sample(p)) is not None]
             llm = collate(text, cfg, tok, multiple, length, padded_rows)
             for name in fields - llm.fields.keys():  # a microbatch without samples (an empty bin) carries zeros
                 llm.fields[name] = torch.zeros(llm.labels.shape)

@@ -32,7 +32,8 @@ from loom.data.source import (
 )
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
-from loom.models.hf import llava
+from loom.models.hf.load import read_hf_config
+from loom.models.hf.whole import family_of
 from loom.train.prescan import prescan, scan
 from loom.train.prescan_cache import PrescanCache
 
@@ -43,8 +44,8 @@ def job_tokenizer(cfg: JobConfig) -> Vocabulary:
     """The byte tokenizer for the built-in tasks, else `model.tokenizer`'s (its placeholders added if missing)."""
     if not cfg.data.sources:
         return ByteTokenizer()
-    # a LLaVA folder's image placeholder is its tokenizer's "<image>" (`image_token_index`)
-    placeholders = {"vision": llava.PLACEHOLDER} if cfg.model.hf else None
+    # a whole-model folder's image placeholder is its family's (LLaVA's "<image>", Qwen2-VL's "<|image_pad|>")
+    placeholders = {"vision": family_of(read_hf_config(cfg.model.hf)).PLACEHOLDER} if cfg.model.hf else None
     try:
         return ChatTokenizer(cfg.model.tokenizer, placeholders)
     except (OSError, ValueError) as e:

@@ -1,4 +1,5 @@
-"""`loom export` of a model loaded from a whole-model folder (`model.hf`, LLaVA): one folder of the same family.
+"""`loom export` of a model loaded from a whole-model folder (`model.hf`: LLaVA, Qwen2-VL): one folder of the same
+family.
 
 The folder it came from is the template: its config.json (the LLM's vocabulary set to the trained one), its tensor
 names (transformers 4's or 5's), the tower tensors LLaVA never reads (the layers after `vision_feature_layer`,
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loom.models.hf import llava
+from loom.models.hf.whole import family_of
 from loom.models.hf.errors import HFError
 from loom.models.hf.load import PICKLED_SUFFIXES, HFWeights, read_hf_config
 from loom.models.llm import LLMConfig
@@ -31,13 +32,14 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
     folder of `model.hf`'s family."""
     source = Path(m.hf)
     if not (source / "config.json").is_file():
-        raise HFError(f"model.hf = {m.hf!r} is gone: exporting a LLaVA model copies its config.json and the tower "
-                      f"tensors LLaVA never reads from there; restore the folder (or pass its new path as "
+        raise HFError(f"model.hf = {m.hf!r} is gone: exporting a whole model copies its config.json and the tower "
+                      f"tensors it never reads from there; restore the folder (or pass its new path as "
                       f"--model.hf to the run that saves the checkpoint)")
     hf = read_hf_config(source)
+    family = family_of(hf)
     _check_same_architecture(hf, m, str(source))
     with torch.device("meta"):
-        model = build_model(m.language, m.vision, None, {"vision": llava.image_token(hf)})
+        model = build_model(m.language, m.vision, None, {"vision": family.image_token(hf)})
     parts = {"language.": model.language, "vision.encoder.": model.vision.encoder,
              "vision.projector.": model.vision.projector}
     tensors: dict[str, torch.Tensor] = {}
@@ -48,7 +50,7 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
         try:
             tensors.update({h: get(prefix + n) for n, h in weights.names.items()})
             unread.update({h: weights.read_stored(h) for h, why in weights.report.skipped.items()
-                           if why == llava.NOT_READ})
+                           if why == family.NOT_READ})
         finally:
             weights.close()
     dtype = next(iter(tensors.values())).dtype  # the folder in the trained dtype throughout, as config.json says
@@ -58,7 +60,10 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
     save_file({h: t.detach().contiguous().cpu() for h, t in tensors.items()}, out / "model.safetensors",
               metadata={"format": "pt"})
     dtype_name = str(dtype).removeprefix("torch.")
-    config = dict(hf, text_config={**(hf.get("text_config") or {}), "vocab_size": m.language.vocab_size},
+    vocab = {"vocab_size": m.language.vocab_size}
+    # the LLM's keys: text_config (LLaVA, transformers 5), or the top level of an older flat Qwen2-VL config.json
+    nested = "text_config" in hf or family.FAMILY == "llava"
+    config = dict(hf, **({"text_config": {**(hf.get("text_config") or {}), **vocab}} if nested else vocab),
                   dtype=dtype_name, torch_dtype=dtype_name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for path in source.iterdir():  # the processor's and tokenizer's files
@@ -70,7 +75,7 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
 
 def _check_same_architecture(hf: dict, m: ModelConfig, where: str) -> None:
     """The checkpoint's modules are the ones `model.hf`'s config.json describes (but for what training changes)."""
-    folder = llava.llava_configs(hf, where, m.hf)
+    folder = family_of(hf).configs(hf, where, m.hf)
     for name, want in zip(("language", "vision"), folder):
         have = getattr(m, name)
         differ = [f"{f.name} = {getattr(have, f.name)!r} (the folder's {getattr(want, f.name)!r})"

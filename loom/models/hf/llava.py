@@ -145,3 +145,6 @@ def unread_tower_reason(name: str, prefix: str, layers: int) -> str | None:
     if (layer and int(layer.group(1)) >= layers) or name.startswith((prefix + "post_layernorm.", prefix + "head.")):
         return NOT_READ
     return None
+
+
+configs = llava_configs  # the whole-model families' interface (whole.py)

@@ -23,18 +23,21 @@ from safetensors import safe_open
 from loom.models.audio import AudioEncoder
 from loom.models.hf.fp8 import SCALES, dequantized, weight_blocks
 from loom.models.hf.mapping import HFError, config_from_hf, kind_of
-from loom.models.hf import llava
+from loom.models.hf.whole import family_of, names as family_names
 from loom.models.hf.names import hf_name, locate, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM, LLMConfig
 from loom.models.multimodal import ModelConfig, build_model
 from loom.models.projector import Projector
+from loom.models.qwen2_vision import Qwen2VisionEncoder
 from loom.models.vision import VisionEncoder
 from loom.typed_config import ConfigError
 
 MODULES = {"language": DecoderLM, "vision": VisionEncoder, "audio": AudioEncoder}
-PARTS = {**MODULES, "projector": Projector}  # what a folder may fill: a whole-model folder also has a projector
+# what a folder may fill: a whole-model folder also has a projector, and Qwen2-VL's tower is a vision module
+PARTS = {**MODULES, "projector": Projector, "qwen2_vl_vision": Qwen2VisionEncoder}
+KINDS = {"qwen2_vl_vision": "vision"}
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
@@ -61,17 +64,19 @@ def config_from_folder(folder: str | Path, expect: str | None = None):
     hf = read_hf_config(folder)
     if expect is not None:
         _check_kind(hf, expect, str(folder))
-    if llava.is_whole_model(hf):
+    family = family_of(hf)
+    if family is not None:
         if expect is None:
-            raise HFError(f"{folder} holds a whole LLaVA model: name the module (language or vision)")
-        return llava.llava_configs(hf, str(folder), str(folder))[("language", "vision").index(expect)]
+            raise HFError(f"{folder} holds a whole {family.FAMILY} model: name the module (language or vision)")
+        return family.configs(hf, str(folder), str(folder))[("language", "vision").index(expect)]
     return config_from_hf(hf, str(folder), str(folder))
 
 
 def _check_kind(hf: dict, expect: str, where: str) -> None:
-    if llava.is_whole_model(hf):
-        if expect not in llava.PREFIXES:
-            raise HFError(f"{where}: a LLaVA folder has no {expect} module")
+    family = family_of(hf)
+    if family is not None:
+        if expect not in family.PREFIXES:
+            raise HFError(f"{where}: a {family.FAMILY} folder has no {expect} module")
         return
     kind = kind_of(hf, where)
     if kind != expect:
@@ -117,7 +122,7 @@ def checkpoint_index(folder: str | Path) -> dict[str, Path]:
 def module_kind(module: nn.Module) -> str:
     for kind, cls in PARTS.items():
         if isinstance(module, cls):
-            return kind
+            return KINDS.get(kind, kind)
     known = [c.__name__ for c in PARTS.values()]
     raise HFError(f"{type(module).__name__} has no Hugging Face mapping; loom maps {known}")
 
@@ -252,7 +257,7 @@ def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dty
     """The loom module of a Hugging Face folder: built on `meta`, then filled tensor by tensor on `device`; of a
     whole-model folder (LLaVA), the MultimodalModel, its image placeholder the folder's image token."""
     hf = read_hf_config(folder)
-    if llava.is_whole_model(hf):
+    if family_of(hf) is not None:
         return _build_whole(folder, hf, device, dtype)
     cfg = config_from_hf(hf, str(folder), str(folder))
     with torch.device("meta"):
@@ -264,9 +269,10 @@ def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dty
 
 
 def _build_whole(folder: str | Path, hf: dict, device, dtype) -> nn.Module:
-    lm, vision = llava.llava_configs(hf, str(folder), str(folder))
+    family = family_of(hf)
+    lm, vision = family.configs(hf, str(folder), str(folder))
     with torch.device("meta"):
-        model = build_model(lm, vision, None, {"vision": llava.image_token(hf)})
+        model = build_model(lm, vision, None, {"vision": family.image_token(hf)})
     if dtype is not None:
         model.to(dtype)
     for module in (model.language, model.vision.encoder, model.vision.projector):
@@ -300,9 +306,9 @@ def resolve_pretrained_configs(m: ModelConfig) -> ModelConfig:
 def _whole_model(m: ModelConfig) -> ModelConfig:
     """`m` with its encoders and each module's `hf` set from `model.hf`, a folder holding the whole model."""
     hf = read_hf_config(m.hf)
-    if not llava.is_whole_model(hf):
+    if family_of(hf) is None:
         raise HFError(f"model.hf = {m.hf!r}: model_type {hf.get('model_type')!r} is one module, not a whole model "
-                      f"(loom loads {llava.FAMILY!r} there); set model.language.hf or model.<encoder>.hf instead")
+                      f"(loom loads {family_names()} there); set model.language.hf or model.<encoder>.hf instead")
     both = [f"model.{name}.hf" for name in ("language", "vision") if getattr(m, name).hf not in ("", m.hf)]
     if both:
         raise HFError(f"model.hf = {m.hf!r} sets every module's folder, and {both} names another: remove one")

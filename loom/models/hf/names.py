@@ -7,10 +7,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from loom.models.hf import llava
+from loom.models.hf import qwen2_vl
 from loom.models.hf.errors import HFError
 from loom.models.hf.mapping import llm_family
 from loom.models.hf.mixtral import RENAMES as MIXTRAL_RENAMES
+from loom.models.hf.whole import family_of
 
 # module-relative loom name → HF name without prefix; rules are anchored and applied in order
 _RENAMES = {
@@ -28,7 +29,7 @@ _RENAMES = {
     ],
     "projector": [],
 }
-FAMILY_RENAMES = {"mixtral": MIXTRAL_RENAMES}
+FAMILY_RENAMES = {"mixtral": MIXTRAL_RENAMES, **qwen2_vl.RENAMES}
 # where the module's tensors sit in the checkpoint: tried in order, recognised by the anchor tensor
 PREFIXES = {
     "language": ("model.", ""),  # *ForCausalLM, or a bare *Model
@@ -52,8 +53,9 @@ class Part:
 
 def locate(kind: str, hf: dict, names, where: str) -> Part:
     """Where the `kind` module's tensors sit among the checkpoint's tensor `names` (config.json `hf`)."""
-    if llava.is_whole_model(hf):
-        return Part(llava.sub_config(hf, kind), *llava.part_prefix(kind, names, where), whole=hf)
+    family = family_of(hf)
+    if family is not None:
+        return Part(family.sub_config(hf, kind), *family.part_prefix(kind, names, where), whole=hf)
     return Part(hf, detect_prefix(kind, names, where))
 
 
@@ -91,9 +93,10 @@ def skip_reason(kind: str, name: str, part: Part, layers: int = 0) -> str | None
     module's layer count (a LLaVA tower's: the layers after it are not read)."""
     prefix, hf = part.prefix, part.hf
     if part.whole is not None:
-        if llava.other_part(kind, name, prefix, part.head_prefix):
-            return "another module's: the folder holds the whole LLaVA model"
-        if kind == "vision" and (reason := llava.unread_tower_reason(name, prefix, layers)):
+        family = family_of(part.whole)
+        if family.other_part(kind, name, prefix, part.head_prefix):
+            return f"another module's: the folder holds a whole {family.FAMILY} model"
+        if kind == "vision" and (reason := family.unread_tower_reason(name, prefix, layers)):
             return reason
     if kind == "language":
         if name == part.head_prefix + "lm_head.weight" and hf.get("tie_word_embeddings"):

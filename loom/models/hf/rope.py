@@ -7,7 +7,7 @@ from loom.models.hf.errors import HFError
 from loom.models.layers import rope_type
 from loom.models.llm import LLMConfig
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "mrope")  # mrope: transformers 4's name of Qwen2-VL's
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
@@ -32,7 +32,11 @@ def _theta_and_scaling(hf: dict, params: dict, where: str) -> tuple[float, dict 
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise HFError(f"{where}: rope type {kind!r} is not supported: loom implements {list(ROPE_TYPES)}")
-    if kind == "default":
+    if params.get("mrope_section"):  # Qwen2-VL's M-RoPE: default frequencies over three position streams
+        if kind not in ("default", "mrope"):
+            raise HFError(f"{where}: mrope_section with rope type {kind!r}: loom's M-RoPE has default frequencies")
+        return theta, {"rope_type": "mrope", "mrope_section": [int(n) for n in params["mrope_section"]]}
+    if kind in ("default", "mrope"):
         return theta, None
     if kind == "linear":
         if "factor" not in params:
@@ -73,5 +77,9 @@ def rope_to_hf(cfg: LLMConfig) -> dict:
     if scaling and "original_max_position_embeddings" in scaling:
         max_pos = int(scaling["original_max_position_embeddings"] * scaling["factor"])
     partial = {"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1 else {}
+    if kind == "mrope":  # transformers 5 reads M-RoPE as default frequencies with an mrope_section
+        return {"max_position_embeddings": max_pos, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                    "mrope_section": scaling["mrope_section"]}}
     return {"max_position_embeddings": max_pos, "rope_theta": cfg.rope_theta, "rope_scaling": scaling, **partial,
             "rope_parameters": {"rope_type": kind, "rope_theta": cfg.rope_theta, **(scaling or {}), **partial}}

@@ -1,0 +1,129 @@
+"""A released-model example that needs no download: one tiny random-init Qwen2-VL folder (its vision tower with the
+2×2 patch merger, a Qwen2 LLM with M-RoPE; its tokenizer, chat template and image processor beside it) and the
+built-in image tasks written out as PNG files with a JSONL of conversations.
+
+    python examples/make_tiny_qwen2vl.py runs/tiny_qwen2vl
+    loom train examples/qwen2vl.toml
+
+writes
+
+    OUT/model/  config.json (model_type "qwen2_vl") + model.safetensors (transformers' names), preprocessor_config.json
+                (Qwen2VLImageProcessor's: smart_resize to 4–16 merged tokens an image), tokenizer.json with the vision
+                tokens, tokenizer_config.json, chat_template.json (Qwen2-VL's: <|vision_start|><|image_pad|>
+                <|vision_end|> for each image part)
+    OUT/data/   train.jsonl, heldout.jsonl, img/*.png
+
+Weights are drawn as loom draws a module without a folder (models/init.py): a function of --seed, as the data is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_vlm beside this file, however it is loaded
+import make_tiny_vlm as vlm  # noqa: E402
+
+from loom.models.hf.mapping import config_to_hf  # noqa: E402
+from loom.models.hf.names import hf_name  # noqa: E402
+from loom.models.llm import DecoderLM  # noqa: E402
+from loom.models.projector import Projector  # noqa: E402
+from loom.models.qwen2_vision import Qwen2VisionEncoder  # noqa: E402
+from loom.models.vision import VisionConfig  # noqa: E402
+
+TASKS = ["digits", "shapes"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+CHAT_TEMPLATE = (  # Qwen2-VL-Instruct's (its chat_template.json), picture numbering off
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # 4 to 16 LLM tokens an image
+
+
+def tower_config() -> VisionConfig:
+    return VisionConfig(family="qwen2_vl", patch_size=14, hidden_size=64, num_layers=2, num_heads=4,
+                        intermediate_size=256, act="quick", layer_norm_eps=1e-6)
+
+
+def write_tokenizer(folder: Path) -> tuple[int, dict[str, int]]:
+    """make_tiny_vlm's BPE with Qwen2-VL's vision tokens added, its processor template beside it; (vocabulary,
+    each vision token's id)."""
+    vlm.write_tokenizer(folder.parent, TASKS)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in (folder.parent / "tokenizer").iterdir():  # a released folder holds its tokenizer
+        path.replace(folder / path.name)
+    (folder.parent / "tokenizer").rmdir()
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    return tok.get_vocab_size(with_added_tokens=True), {t: tok.token_to_id(t) for t in VISION_TOKENS}
+
+
+def write_model(folder: Path, vocab: int, ids: dict[str, int], seed: int) -> None:
+    # the embedding rounded up to 64 rows, so tensor parallelism divides it; M-RoPE over the head's 16 frequencies
+    lm_cfg = dataclasses.replace(vlm.llm_config(-(-vocab // 64) * 64),
+                                 rope_scaling={"rope_type": "mrope", "mrope_section": [4, 6, 6]})
+    tower_cfg = tower_config()
+    with torch.device("meta"):
+        tower = Qwen2VisionEncoder(tower_cfg)
+        parts = {"language": (DecoderLM(lm_cfg), "language.", "model.", "qwen2"),
+                 "vision": (tower, "vision.encoder.", "visual.", "qwen2_vl_vision"),
+                 "projector": (Projector(tower.out_dim, lm_cfg.hidden_size, "gelu", tower.out_dim),
+                               "vision.projector.", "visual.", "qwen2_vl")}
+    tensors = {}
+    for kind, (module, loom_prefix, hf_prefix, family) in parts.items():
+        drawn = vlm.random_tensors(module, loom_prefix, seed, lm_cfg.init_std if kind == "language" else None)
+        tensors.update({hf_name(kind, n, hf_prefix, family): t for n, t in drawn.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    text = {k: v for k, v in config_to_hf("language", lm_cfg, torch.float32).items() if k != "architectures"}
+    vision = {"depth": tower_cfg.num_layers, "embed_dim": tower_cfg.hidden_size, "num_heads": tower_cfg.num_heads,
+              "mlp_ratio": tower_cfg.intermediate_size // tower_cfg.hidden_size, "hidden_size": lm_cfg.hidden_size,
+              "hidden_act": "quick_gelu", "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "model_type": "qwen2_vl_vision"}
+    config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+              "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+              "text_config": dict(text, model_type="qwen2_vl_text"), "vision_config": vision,
+              "tie_word_embeddings": lm_cfg.tie_embeddings, "dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "resample": 3,
+                 "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, "patch_size": 14,
+                 "merge_size": 2, "temporal_patch_size": 2, "do_rescale": True, "rescale_factor": 1 / 255,
+                 "do_normalize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_convert_rgb": True}
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="output folder (e.g. runs/tiny_qwen2vl)")
+    p.add_argument("--train", type=int, default=1000, help="training conversations")
+    p.add_argument("--heldout", type=int, default=80, help="held-out conversations")
+    p.add_argument("--seed", type=int, default=0, help="data and initial weights are a function of it")
+    args = p.parse_args(argv)
+    model, data = args.out / "model", args.out / "data"
+    (data / "img").mkdir(parents=True, exist_ok=True)
+    vocab, ids = write_tokenizer(model)
+    write_model(model, vocab, ids, args.seed)
+    counts = {split: vlm.write_split(data, split, n, TASKS, args.seed)
+              for split, n in (("train", args.train), ("heldout", args.heldout))}
+    print(f"model  {model}: Qwen2-VL (14-pixel patches, 2×2 merger; Qwen2 with M-RoPE), vocabulary {vocab}, "
+          f"<|image_pad|> = {ids['<|image_pad|>']}")
+    for split, c in counts.items():
+        print(f"data   {data / (split + '.jsonl')}: {sum(c.values())} conversations {c}")
+    return {"model": str(model), "vocab": vocab, "image_token": ids["<|image_pad|>"], "conversations": counts}
+
+
+if __name__ == "__main__":
+    main()
