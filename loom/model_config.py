@@ -32,25 +32,25 @@ class RouterSpec:
 
 @dataclass
 class LLMConfig:
-    vocab_size: int = 320
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    vocab_size: int = 320  # token ids the embedding and LM head hold (a tokenizer's size sets it)
+    hidden_size: int = 128  # the residual stream's width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention: a divisor of num_heads)
     head_dim: int = 0  # 0: hidden_size // num_heads
-    intermediate_size: int = 384
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    intermediate_size: int = 384  # a dense layer's SwiGLU width
+    rms_norm_eps: float = 1e-6  # RMSNorm's epsilon
+    rope_theta: float = 10000.0  # the rotary embedding's base
     rope_scaling: dict | None = None  # as in HF configs: {"rope_type": "llama3", "factor": 8.0, ...}
     partial_rotary_factor: float = 1.0  # the share of each head's dims rotated, the first ones (GLM-4.5: 0.5)
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # the LM head shares the embedding's weight
     attention_bias: bool = False  # bias on q/k/v (Qwen2, GLM-4.5); latent attention: its down-projections and o_proj
     qk_norm: bool = False  # Qwen3: RMSNorm on each query/key head before RoPE
-    init_std: float = 0.02
+    init_std: float = 0.02  # initial weights' standard deviation (a folder's weights replace them)
     hf: str = ""  # Hugging Face folder to load this module from: its config.json replaces all but TRAINING_KEYS
     # mixture of experts (0 experts: every layer dense). Names as in Hugging Face's Qwen3-MoE / DeepSeek-V3 configs
     num_experts: int = 0
-    num_experts_per_tok: int = 2
+    num_experts_per_tok: int = 2  # experts each token is routed to (top-k)
     moe_intermediate_size: int = 0  # each routed expert's width (0: intermediate_size)
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
@@ -72,7 +72,7 @@ class LLMConfig:
     q_lora_rank: int = 0  # the queries' bottleneck (0: one projection)
     qk_nope_head_dim: int = 0  # a head's query/key dims without rotary embedding ...
     qk_rope_head_dim: int = 0  # ... and with it (one rotary key shared by every head)
-    v_head_dim: int = 0
+    v_head_dim: int = 0  # a head's value dims
     rope_interleave: bool = False  # rotary pairs interleaved (DeepSeek's checkpoints), not split in halves
 
     # how to train, not what the model is: a Hugging Face folder does not say these, so a job's values stand
@@ -119,13 +119,13 @@ class LLMConfig:
 
 @dataclass
 class VisionConfig:
-    channels: int = 3
-    patch_size: int = 4
-    hidden_size: int = 96
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 256
-    layer_norm_eps: float = 1e-6
+    channels: int = 3  # image channels
+    patch_size: int = 4  # pixels a side of one patch
+    hidden_size: int = 96  # the tower's width
+    num_layers: int = 2  # encoder layers
+    num_heads: int = 4  # attention heads
+    intermediate_size: int = 256  # an encoder layer's MLP width
+    layer_norm_eps: float = 1e-6  # LayerNorm's epsilon
     position_grid: int = 8  # learned positions for a grid×grid patch image, interpolated for other sizes
     act: str = "tanh"  # gelu approximation: "tanh" (SigLIP), "none" (exact) or "quick" (CLIP's quick_gelu)
     class_token: bool = False  # CLIP: a learned [CLS] row before each image's patches, position row 0 its own
@@ -137,7 +137,7 @@ class VisionConfig:
     # which tower: "vit" (SigLIP / CLIP, models/vision.py) or "qwen2_vl" (models/qwen2_vision.py: 2-D rotary
     # positions and a 2×2 patch merger, whose MLP is the projector; the keys below are its)
     # (qwen2_5_vl: RMSNorm, a SwiGLU MLP and windowed attention)
-    family: str = choice("vit", "vit", "qwen2_vl", "qwen2_5_vl")
+    family: str = choice("vit", "vit", "qwen2_vl", "qwen2_5_vl")  # the tower's architecture
     temporal_patch_size: int = 2  # frames per patch; a still image is repeated to fill them
     merge_size: int = 2  # the merger joins merge_size × merge_size neighbouring patches into one LLM token
     rope_theta: float = 10000.0  # the tower's 2-D rotary base
@@ -149,11 +149,11 @@ class VisionConfig:
 @dataclass
 class AudioConfig:
     num_features: int = 32  # mel bins of the input features
-    hidden_size: int = 96
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 256
-    layer_norm_eps: float = 1e-5
+    hidden_size: int = 96  # the encoder's width
+    num_layers: int = 2  # encoder layers
+    num_heads: int = 4  # attention heads
+    intermediate_size: int = 256  # an encoder layer's MLP width
+    layer_norm_eps: float = 1e-5  # LayerNorm's epsilon
     max_positions: int = 1500  # frames after subsampling
     hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
@@ -163,13 +163,14 @@ class ModelConfig:
     """[model]: which encoders feed the LLM, each module's sizes, the tokenizer and attention backend. Here, not
     in loom/config.py, so that loom/models never imports the job's config and the job's config no model code."""
 
+    # the encoder modules that feed the LLM ([]: text only)
     encoders: list[str] = field(default_factory=lambda: ["vision", "audio"])
     # a Hugging Face folder holding the whole model (LLaVA): it sets the encoders, every module's sizes and `hf`
     hf: str = ""
     # a Hugging Face tokenizer folder (tokenizer.json + chat template) for data.sources; empty: loom's byte
     # tokenizer, which the built-in tasks use
     tokenizer: str = ""
-    attention: str = choice("auto", "auto", "sdpa", "varlen")
-    language: LLMConfig = field(default_factory=LLMConfig)
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    audio: AudioConfig = field(default_factory=AudioConfig)
+    attention: str = choice("auto", "auto", "sdpa", "varlen")  # auto: varlen on CUDA in bf16/fp16, SDPA elsewhere
+    language: LLMConfig = field(default_factory=LLMConfig)  # [model.language]
+    vision: VisionConfig = field(default_factory=VisionConfig)  # [model.vision]
+    audio: AudioConfig = field(default_factory=AudioConfig)  # [model.audio]
