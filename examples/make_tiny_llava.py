@@ -17,7 +17,6 @@ Weights are drawn as loom draws a module without a folder (models/init.py): a fu
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -104,22 +103,14 @@ def write_model(folder: Path, vocab: int, image_token: int, seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="output folder (e.g. runs/tiny_llava)")
-    p.add_argument("--train", type=int, default=1000, help="training conversations")
-    p.add_argument("--heldout", type=int, default=80, help="held-out conversations")
-    p.add_argument("--seed", type=int, default=0, help="data and initial weights are a function of it")
-    args = p.parse_args(argv)
+    args = vlm.folder_args(__doc__.split("\n\n")[0], "runs/tiny_llava", argv)
     model, data = args.out / "model", args.out / "data"
-    (data / "img").mkdir(parents=True, exist_ok=True)
     vocab, image_token = write_tokenizer(model)
     write_model(model, vocab, image_token, args.seed)
-    counts = {split: vlm.write_split(data, split, n, TASKS, args.seed)
-              for split, n in (("train", args.train), ("heldout", args.heldout))}
+    counts = vlm.write_splits(data, TASKS, args)
     print(f"model  {model}: LLaVA (CLIP tower, patch {vlm.PATCH}, {IMAGE} pixels; Qwen2), vocabulary {vocab}, "
           f"<image> = {image_token}")
-    for split, c in counts.items():
-        print(f"data   {data / (split + '.jsonl')}: {sum(c.values())} conversations {c}")
+    vlm.print_splits(data, counts)
     return {"model": str(model), "vocab": vocab, "image_token": image_token, "conversations": counts}
 
 

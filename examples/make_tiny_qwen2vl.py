@@ -18,7 +18,6 @@ Weights are drawn as loom draws a module without a folder (models/init.py): a fu
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -106,22 +105,14 @@ def write_model(folder: Path, vocab: int, ids: dict[str, int], seed: int) -> Non
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="output folder (e.g. runs/tiny_qwen2vl)")
-    p.add_argument("--train", type=int, default=1000, help="training conversations")
-    p.add_argument("--heldout", type=int, default=80, help="held-out conversations")
-    p.add_argument("--seed", type=int, default=0, help="data and initial weights are a function of it")
-    args = p.parse_args(argv)
+    args = vlm.folder_args(__doc__.split("\n\n")[0], "runs/tiny_qwen2vl", argv)
     model, data = args.out / "model", args.out / "data"
-    (data / "img").mkdir(parents=True, exist_ok=True)
     vocab, ids = write_tokenizer(model)
     write_model(model, vocab, ids, args.seed)
-    counts = {split: vlm.write_split(data, split, n, TASKS, args.seed)
-              for split, n in (("train", args.train), ("heldout", args.heldout))}
+    counts = vlm.write_splits(data, TASKS, args)
     print(f"model  {model}: Qwen2-VL (14-pixel patches, 2×2 merger; Qwen2 with M-RoPE), vocabulary {vocab}, "
           f"<|image_pad|> = {ids['<|image_pad|>']}")
-    for split, c in counts.items():
-        print(f"data   {data / (split + '.jsonl')}: {sum(c.values())} conversations {c}")
+    vlm.print_splits(data, counts)
     return {"model": str(model), "vocab": vocab, "image_token": ids["<|image_pad|>"], "conversations": counts}
 
 

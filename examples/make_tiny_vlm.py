@@ -197,6 +197,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def folder_args(description: str, example_out: str, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments of the whole-folder examples (make_tiny_llava.py, make_tiny_qwen2vl.py)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("out", type=Path, help=f"output folder (e.g. {example_out})")
+    p.add_argument("--train", type=int, default=1000, help="training conversations")
+    p.add_argument("--heldout", type=int, default=80, help="held-out conversations")
+    p.add_argument("--seed", type=int, default=0, help="data and initial weights are a function of it")
+    return p.parse_args(argv)
+
+
+def write_splits(data: Path, task_names: list[str], args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """The train and held-out conversations (`args.train`, `args.heldout`) under `data`: each split's counts."""
+    (data / "img").mkdir(parents=True, exist_ok=True)
+    return {split: write_split(data, split, n, task_names, args.seed)
+            for split, n in (("train", args.train), ("heldout", args.heldout))}
+
+
+def print_splits(data: Path, counts: dict[str, dict[str, int]]) -> None:
+    for split, c in counts.items():
+        print(f"data   {data / (split + '.jsonl')}: {sum(c.values())} conversations {c}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Writes everything; returns what it wrote (paths, sizes), which it also prints."""
     args = parse_args(argv)
