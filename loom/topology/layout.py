@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.config import ConfigError, JobConfig, ModuleLayoutConfig
+from loom.config import ConfigError, JobConfig
+from loom.parallel_config import ModuleLayoutConfig
 
 # Grid dimensions from slowest to fastest varying: tp neighbours are adjacent ranks (same node, NVLink).
 DIMS = ("pp", "dp", "cp", "tp")
