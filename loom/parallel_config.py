@@ -19,7 +19,10 @@ class ModuleLayoutConfig:
     tp: int = 1  # tensor parallel: heads, MLP width and vocabulary split over tp ranks
     cp: int = 1  # context parallel (the LLM only): each sample cut into 2·cp chunks over cp ranks
     pp: int = 1  # pipeline stages (an encoder only on ranks of its own)
-    dp: int = 0  # data-parallel replicas, each sharded by FSDP2; 0: len(ranks) / (tp·cp·pp)
+    dp: int = 0  # data-parallel replicas; 0: len(ranks) / (tp·cp·pp)
+    # true: the module's weights sharded over its dp·cp ranks by FSDP2; false: whole on each (DDP-style: 16 bytes a
+    # parameter per rank, gradients all-reduced once a step; no gathers, and CUDA graphs where nothing is sharded)
+    fsdp: bool = True
     # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for the LLM the whole world
     ranks: str | int = ""
     sequence_parallel: bool = False  # shard the residual stream's tokens (an encoder's packed rows) over tp

@@ -1,6 +1,6 @@
 """The encoders' parallelize recipe (vision, audio: a ModalityEncoder each): its blocks compiled and
-checkpointed on every run, then, under a layout, its pipeline split (non-colocated only), TP/SP and FSDP2, read
-from the encoder's own Grid.
+checkpointed on every run, then, under a layout, its pipeline split (non-colocated only), TP/SP and FSDP2 (or,
+with `fsdp = false`, replicas: parallel/replicate.py), read from the encoder's own Grid.
 
 Why this order (as for the LLM, language.py): compile and activation checkpointing each replace a block's
 `forward` in place, compile first, so the compiled body runs inside the checkpoint; compile also fixes the
@@ -24,6 +24,7 @@ from loom.parallel.compile import compile_blocks
 from loom.parallel.encoder_pipeline import encoder_stage
 from loom.parallel import fsdp
 from loom.parallel.fsdp import apply_fsdp, mixed_precision
+from loom.parallel.replicate import replica_group, replicate
 from loom.parallel.tensor import apply_encoder_tp
 from loom.topology import Grid
 
@@ -45,6 +46,9 @@ def parallelize_encoder(name: str, encoder: nn.Module, grid: Grid | None, cfg: J
         encoder = encoder_stage(encoder, grid.coord(dist.get_rank())["pp"], lay.pp)
     if lay.tp > 1:
         apply_encoder_tp(encoder, grid.mesh("tp", device_type=device_type), lay.sequence_parallel)
+    if not lay.fsdp:  # whole weights on each dp rank: its gradients summed once a step
+        replicate(encoder, replica_group(grid), device_type, train.dtype)
+        return encoder
     # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
     blocks = transformer_blocks(name, encoder)
     apply_fsdp(encoder, blocks, fsdp.fsdp_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),

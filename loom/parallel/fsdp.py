@@ -102,15 +102,6 @@ def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int, backward: 
             units[i].set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Whether the next backward reduce-scatters gradients. Off for all but a step's last microbatch:
-    gradients accumulate unsharded on each rank and are reduced once per step (1/M of the traffic, for one
-    unsharded gradient copy of memory). A model without FSDP (one process) has nothing to switch."""
-    for m in model.children():
-        if isinstance(m, FSDPModule):
-            m.set_requires_gradient_sync(enabled)
-
-
 def reshard(model: nn.Module) -> None:
     """Frees every FSDP2 unit's unsharded parameters, so the next forward gathers them from the shards again.
     The root unit keeps its unsharded parameters after a forward (reshard_after_forward=False): values

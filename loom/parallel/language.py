@@ -1,5 +1,6 @@
 """The LLM's parallelize recipe: its blocks compiled and checkpointed on every run, then, under a layout, its
-pipeline split, TP/SP and FSDP2, all read from the LLM's Grid.
+pipeline split, TP/SP and FSDP2 (or, with `fsdp = false`, replicas: parallel/replicate.py), all read from the
+LLM's Grid.
 
 Why this order. Compile and activation checkpointing each replace a block's `forward` in place, compile first:
 the compiled body runs inside the checkpoint, so the recomputation calls the same graphs, and it is traced
@@ -27,6 +28,7 @@ from loom.parallel.experts import apply_expert_parallel, expert_mesh
 from loom.parallel import fsdp
 from loom.parallel.fsdp import apply_fsdp, mixed_precision
 from loom.parallel.pipeline import ZERO_BUBBLE, split_language
+from loom.parallel.replicate import replica_group, replicate
 from loom.parallel.tensor import apply_llm_tp
 from loom.topology import Grid
 
@@ -58,6 +60,9 @@ def parallelize_language(name: str, llm: nn.Module, grid: Grid | None, cfg: JobC
         if lay.ep > 1:
             apply_expert_parallel(part, expert_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),
                                   reshard)
+        if not lay.fsdp:  # whole weights on each dp·cp rank: its gradients summed once a step
+            replicate(part, replica_group(grid), device_type, train.dtype)
+            continue
         # fsdp.fsdp_mesh, read when called: bench/cp_long.py swaps it for an HSDP mesh
         blocks = transformer_blocks(name, part)
         apply_fsdp(part, blocks, fsdp.fsdp_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),

@@ -130,7 +130,8 @@ def _check_pipeline(lay: Layout, cfg: JobConfig) -> None:
 
 
 def _check_sharding(placement: Placement, cfg: JobConfig) -> None:
-    """FSDP2's keys name the job's modules; CUDA graphs only where no module is sharded over several ranks."""
+    """FSDP2's keys name the job's modules; a replicated module where it is supported; CUDA graphs only where no
+    module is sharded over several ranks."""
     par, layouts = cfg.parallel, placement.layouts
     if par.fsdp_prefetch < 0:
         raise ConfigError(f"parallel.fsdp_prefetch = {par.fsdp_prefetch} must be ≥ 0 (units gathered ahead; 0: "
@@ -139,14 +140,20 @@ def _check_sharding(placement: Placement, cfg: JobConfig) -> None:
         if name not in layouts or not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
             raise ConfigError(f"parallel.module_blocks_per_unit.{name} = {blocks!r}: expected a positive block count "
                               f"for one of the job's modules {sorted(layouts)}")
-    sharded = {n: lay.dp * lay.cp for n, lay in layouts.items() if lay.dp * lay.cp > 1}
+    for name, lay in layouts.items():
+        if not lay.fsdp and (lay.pp > 1 or lay.ep > 1 or not placement.colocated):
+            what = "pp > 1" if lay.pp > 1 else "ep > 1" if lay.ep > 1 else "ranks of its own (non-colocated)"
+            raise ConfigError(f"layout.{name}.fsdp = false with {what}: a replicated module is supported on the "
+                              f"LLM's ranks without pipeline or expert parallelism for now; set layout.{name}.fsdp = "
+                              f"true (FSDP2) for this layout")
+    sharded = {n: lay.dp * lay.cp for n, lay in layouts.items() if lay.dp * lay.cp > 1 and lay.fsdp}
     if cfg.train.compile_mode == "reduce-overhead" and sharded:
         name, ranks = next(iter(sharded.items()))
         raise ConfigError(
             f"train.compile_mode = 'reduce-overhead' with {name} sharded by FSDP2 over dp·cp = {ranks} ranks: the "
             f"blocks' CUDA graphs do not survive its gathers and reshards (measured on 4 H200s: 9 s steps against "
-            f"0.69 s compiled without graphs); use train.compile_mode = 'default' under data parallelism "
-            f"(CUDA graphs pay on one GPU)")
+            f"0.69 s compiled without graphs); set layout.{name}.fsdp = false (its weights whole on each rank, "
+            f"which graphs can replay) if they fit, or use train.compile_mode = 'default'")
 
 
 def sample_multiple(lay: Layout, cfg: JobConfig) -> int:

@@ -27,6 +27,7 @@ class Layout:
     dp: int = 1
     sequence_parallel: bool = False
     ep: int = 1  # expert parallel: not a grid dim but a view of the dp×cp ranks, ep × efsdp (parallel/experts.py)
+    fsdp: bool = True  # weights sharded over dp·cp by FSDP2; false: whole on each rank (parallel/replicate.py)
 
     @property
     def efsdp(self) -> int:
@@ -46,7 +47,8 @@ class Layout:
 
     def describe(self) -> str:
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return f"tp{self.tp}·cp{self.cp}·pp{self.pp}·dp{self.dp}{ep} on ranks {self.start}-{self.ranks[-1]}"
+        whole = " replicated" if not self.fsdp and self.dp * self.cp > 1 else ""
+        return f"tp{self.tp}·cp{self.cp}·pp{self.pp}·dp{self.dp}{ep}{whole} on ranks {self.start}-{self.ranks[-1]}"
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def _resolve_one(name: str, mc: ModuleLayoutConfig, ranks: range) -> Layout:
     if mc.ep > 1 and name != "language":
         raise ConfigError(f"layout.{name}.ep = {mc.ep}: expert parallelism is for the LLM's experts; an encoder "
                           f"has none (valid: 1)")
-    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp, mc.sequence_parallel, mc.ep)
+    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp, mc.sequence_parallel, mc.ep, mc.fsdp)
 
 
 def _check_placement(layouts: dict[str, Layout], world_size: int) -> None:

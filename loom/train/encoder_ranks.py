@@ -26,7 +26,7 @@ import torch
 
 from loom.bridge.p2p import P2PBridge
 from loom.models.multimodal import MultimodalModel
-from loom.parallel.fsdp import set_gradient_sync
+from loom.parallel.gradient_sync import set_gradient_sync
 from loom.parallel.stage_link import StageLink
 from loom.topology.role import StagePosition
 from loom.train.inputs import StepBatch

@@ -19,6 +19,7 @@ from loom.parallel import parallelize
 from loom.parallel.compile import compile_backend, compile_blocks
 from loom.parallel.experts import add_expert_groups
 from loom.parallel.materialize import WeightSource, materialize
+from loom.parallel.replicate import attach_gradient_sums
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.stage_link import StageLink
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
@@ -108,6 +109,7 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
     finally:
         if own:
             weights.close()
+    attach_gradient_sums(model)  # on the parameters materialize made: the replicated modules' gradient sums
     return plan
 
 

@@ -28,7 +28,7 @@ from loom.bridge.first_stage import FirstStageBridge
 from loom.bridge.p2p import P2PBridge
 from loom.data.batch import Batch
 from loom.models.multimodal import MultimodalModel
-from loom.parallel.fsdp import set_gradient_sync
+from loom.parallel.gradient_sync import set_gradient_sync
 from loom.train.inputs import StepBatch
 
 Inserts = dict[int, torch.Tensor]  # placeholder id → the rows that replace its occurrences, in order

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from loom.data.batch import Batch
 from loom.models.multimodal import MultimodalModel
 from loom.parallel.context import shard_for_context
-from loom.parallel.fsdp import set_gradient_sync
+from loom.parallel.gradient_sync import set_gradient_sync
 from loom.parallel.pipeline import MicrobatchData, Pipeline
 from loom.train.inputs import StepBatch
 from loom.train.objective import Objective

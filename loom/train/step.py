@@ -27,6 +27,7 @@ import torch.distributed as dist
 from loom.config import TrainConfig
 from loom.models.moe import aux_loss_scale
 from loom.models.multimodal import MultimodalModel
+from loom.parallel.gradient_sync import finish_gradient_sync
 from loom.train.encoder_ranks import EncoderRanks
 from loom.train.expert_load import ExpertLoad
 from loom.train.garbage import collect_at
@@ -95,6 +96,7 @@ def train_step(plan: StepPlan, model: MultimodalModel, optimizer, inputs: StepIn
     if plan.reference is not None:  # the reference policy's logprobs, each microbatch's `ref_logprobs` field
         plan.reference.score_into(plan, model, inputs)
     loss = run_microbatches(plan, model, inputs, objective, train=True)
+    finish_gradient_sync(model)  # the replicated modules' gradients summed over their replicas
     result = finish_step(model, optimizer, loss, lr, cfg, plan.comms, inspect_grads)
     result.metrics = metric_means(objective, lambda sums: world_sum(sums, plan.comms))
     return result
