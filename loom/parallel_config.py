@@ -46,7 +46,8 @@ class ParallelConfig:
     blocks_per_unit: int = 1  # FSDP2: the LLM's consecutive blocks gathered together (fewer collectives and hooks)
     module_blocks_per_unit: dict = field(default_factory=dict)  # per module: {vision = 9} (encoders: a third)
     fsdp_prefetch: int = 1  # FSDP2: all-gathers issued this many units ahead, forward and backward (0: FSDP2's own)
-    reduce_dtype: str = choice("fp32", "fp32", "bf16")  # FSDP2 under train.dtype = bf16: gradients reduced in this
+    # under train.dtype = bf16: what gradients are reduced in (FSDP2's reduce-scatters, a replicated module's sums)
+    reduce_dtype: str = choice("fp32", "fp32", "bf16")
     debug_checks: bool = False  # verify invariants at run time, e.g. encoder output equal on its tp ranks
     timeout_s: int = 600  # a collective that does not complete in this time ends the run with an error
     # LLM pipeline (layout.language.pp > 1): torch.distributed.pipelining's schedule over the M microbatches

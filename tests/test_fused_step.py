@@ -52,7 +52,7 @@ def test_fused_step_matches_adamw_step(scaled):
         fused_step(ob)
         oa.zero_grad(), ob.zero_grad()
         _same(a, b, oa, ob)
-    assert getattr(ob, "_loom_fused_lists", None) is not None  # the lean path ran (after the first step)
+    assert getattr(ob, "_loom_fused_lists", None) is not None  # the lean path ran
     if scaled:
         assert float(ob.state[next(b.parameters())]["step"]) == 4  # the skipped step is not counted
 
@@ -63,7 +63,7 @@ def test_fused_step_falls_back_and_follows_a_loaded_state():
         _grads((a, b), step)
         oa.step(), fused_step(ob)
         oa.zero_grad(), ob.zero_grad()
-    # a parameter without a gradient: torch skips it; so does fused_step (through torch's own step)
+    # a parameter without a gradient: torch skips it; so does fused_step's own path
     _grads((a, b), 7)
     for m in (a, b):
         m[1].weight.grad = None
@@ -74,6 +74,27 @@ def test_fused_step_falls_back_and_follows_a_loaded_state():
     ob.load_state_dict(copy.deepcopy(oa.state_dict()))  # a copy, as from a checkpoint (else the states alias)
     b.load_state_dict(a.state_dict())
     for step in range(3, 5):
+        _grads((a, b), step)
+        oa.step(), fused_step(ob)
+        oa.zero_grad(), ob.zero_grad()
+    _same(a, b, oa, ob)
+
+
+def test_first_step_makes_the_state_torch_makes():
+    """fused_step's first step makes the state itself (torch's step refuses a group mixing DTensors and plain
+    tensors: a replicated module under TP), the same as torch's first step makes; a parameter without a
+    gradient gets zero moments and a count of 0, which its first update then starts from as torch's would."""
+    a, b, oa, ob = _pair()
+    _grads((a, b), 0)
+    for m in (a, b):
+        m[1].weight.grad = None
+    oa.step(), fused_step(ob)
+    assert getattr(ob, "_loom_fused_lists", None) is not None  # its own path from the first step
+    untouched = b[1].weight
+    assert float(ob.state[untouched]["step"]) == 0 and not ob.state[untouched]["exp_avg"].any()
+    assert not oa.state[a[1].weight]  # torch made none for it
+    oa.zero_grad(), ob.zero_grad()
+    for step in range(1, 3):  # its first update from the zero state equals torch's from no state
         _grads((a, b), step)
         oa.step(), fused_step(ob)
         oa.zero_grad(), ob.zero_grad()

@@ -6,8 +6,6 @@ layouts it does not support are refused when the config loads."""
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 from oracle import assert_all_passed, run_verify
 
 from loom.config import ConfigError
@@ -27,8 +25,10 @@ CASES = {
     "llm-replicated-tp2-sp-dp2": (4, ["--layout.language.fsdp=false"] + TP2_SP),
     "all-replicated-cp2-dp2": (4, ALL + ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),
     # autocast in the replicated modules' forwards, against the fp32 reference at bf16's tolerances
-    "bf16-all-replicated-dp2-bins": (2, ALL + ["--train.dtype=bf16", "--train.microbatches=2",
-                                               "--data.tokens_per_microbatch=512"]),
+    # bf16 sums (parallel.reduce_dtype): every bucket cast into a flat buffer and back
+    "bf16-all-replicated-dp2-bins-bf16-sums": (2, ALL + ["--train.dtype=bf16", "--train.microbatches=2",
+                                                         "--data.tokens_per_microbatch=512",
+                                                         "--parallel.reduce_dtype=bf16"]),
 }
 
 
@@ -36,3 +36,27 @@ CASES = {
 def test_replicated_layout_matches_reference(worlds, name):
     world, overrides = CASES[name]
     assert_all_passed(name, worlds.run(world, run_verify, overrides, timeout=300), 3)
+
+
+GRAPHS = ["--train.compile=true", "--train.compile_mode=reduce-overhead", "--data.tokens_per_microbatch=512"]
+
+
+def _check(overrides: list[str], world: int = 4):
+    return load_config(None, ["--train.global_batch_size=16", "--data.train_size=2000", *overrides], world_size=world)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["--layout.language.fsdp=false", "--layout.language.pp=2", "--data.tokens_per_microbatch=512",
+      "--train.microbatches=2"], "layout.language.fsdp = false with pp > 1"),
+    (["--layout.vision.fsdp=false", "--layout.vision.ranks=0-1", "--layout.audio.ranks=0-1",
+      "--layout.language.ranks=2-3"], "layout.vision.fsdp = false with ranks of its own"),
+    (["--layout.vision.fsdp=false", *GRAPHS], "train.compile_mode = 'reduce-overhead' with audio sharded by FSDP2"),
+])
+def test_unsupported_replicas_are_refused_at_load(overrides, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        _check(overrides)
+
+
+def test_cuda_graphs_allowed_when_every_module_is_replicated():
+    cfg = _check(ALL + GRAPHS)
+    assert not cfg.layout.language.fsdp and cfg.train.compile_mode == "reduce-overhead"

@@ -37,9 +37,11 @@ class GradientSum:
     """Sums the gradients of `params` over `group` after the step's last backward (`sync` on), bucket by bucket
     as the backward finishes them; `finish()` issues what is left and waits for all of it."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None,
+                 bucket_bytes: int = BUCKET_BYTES):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.bucket_bytes = group, bucket_bytes
+        self.reduce_dtype = reduce_dtype  # None: each gradient's own (bf16 halves the bytes sent)
         self.sync = False
         self.buckets: list[list[int]] | None = None  # parameter indices; built after the first synced backward
         self.bucket_of: list[int] = []
@@ -84,8 +86,7 @@ class GradientSum:
         for work, flat, grads in self._pending:
             work.wait()
             if flat is not None:  # copied into a flat buffer: back into the gradients
-                torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]),
-                                                                         grads)])
+                torch._foreach_copy_(grads, _views(flat, grads))
         self._pending = []
         self.sync = False
 
@@ -94,10 +95,12 @@ class GradientSum:
         grads = [_local(self.params[i].grad) for i in self.buckets[b] if self.params[i].grad is not None]
         if not grads:
             return
-        if len(grads) == 1:
+        dtype = self.reduce_dtype or grads[0].dtype
+        if len(grads) == 1 and grads[0].dtype == dtype:
             self._pending.append((dist.all_reduce(grads[0], group=self.group, async_op=True), None, grads))
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = grads[0].new_empty(sum(g.numel() for g in grads), dtype=dtype)
+        torch._foreach_copy_(_views(flat, grads), grads)  # one pass, cast included
         self._pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, grads))
 
     def _build_buckets(self) -> None:
@@ -125,6 +128,10 @@ class GradientSum:
         self._ready = [0] * len(self.buckets)
 
 
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in like]), like)]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A TP DTensor's local shard: replicas hold equal shards, summed over dp·cp as plain tensors."""
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -145,15 +152,17 @@ def replicate(module: nn.Module, group: dist.ProcessGroup | None, device_type: s
         module.forward = torch.autocast(device_type, dtype=torch.bfloat16)(module.forward)
 
 
-def attach_gradient_sums(model: nn.Module) -> None:
+def attach_gradient_sums(model: nn.Module, reduce_dtype: torch.dtype | None = None) -> None:
     """One GradientSum per group over the trained parameters of every module `replicate` marked with it, in the
     model's module order: modules on the same ranks share a group, and one ordered bucket list per group keeps
-    the collectives on it in one order on every rank. After materialize: giving storage makes new parameters."""
+    the collectives on it in one order on every rank; `reduce_dtype`: what the sums are taken in (None: the
+    gradients' own). After materialize: giving storage makes new parameters."""
     by_group: dict[dist.ProcessGroup, list[nn.Parameter]] = {}
     for m in model.modules():
         if (group := getattr(m, "_loom_replicas", None)) is not None:
             by_group.setdefault(group, []).extend(p for p in m.parameters() if p.requires_grad)
-    model._loom_gradient_sums = [GradientSum(params, group) for group, params in by_group.items() if params]
+    model._loom_gradient_sums = [GradientSum(params, group, reduce_dtype)
+                                 for group, params in by_group.items() if params]
 
 
 def gradient_sums(model: nn.Module) -> list[GradientSum]:

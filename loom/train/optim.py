@@ -134,6 +134,7 @@ def fused_step(opt: torch.optim.Optimizer) -> None:
     shards. Anything else (the first step, which makes the state; a missing gradient; non-fused): `opt.step()`."""
     lists = getattr(opt, "_loom_fused_lists", None)
     if lists is None or not lists.valid(opt):
+        _make_state(opt)
         seen = (id(opt.state), len(opt.state))  # checked once per state: not every step of a layout's optimizer
         if getattr(opt, "_loom_not_lean", None) == seen or not _lean(opt):
             opt._loom_not_lean = seen
@@ -147,9 +148,10 @@ def fused_step(opt: torch.optim.Optimizer) -> None:
     todo = []
     for g, params, exp_avgs, exp_avg_sqs, steps in lists.lists:
         grads = [p.grad for p in g["params"]]
-        if any(x is None for x in grads):
-            opt.step()  # torch skips parameters without a gradient: its own path, as before
-            return
+        if any(x is None for x in grads):  # torch skips a parameter without a gradient: so does this step
+            keep = [i for i, x in enumerate(grads) if x is not None]
+            params, grads, exp_avgs, exp_avg_sqs, steps = ([xs[i] for i in keep] for xs in
+                                                           (params, grads, exp_avgs, exp_avg_sqs, steps))
         todo.append((g, params, [_local(x) for x in grads], exp_avgs, exp_avg_sqs, steps))
     with torch.autograd.profiler.record_function("loom.fused_step"):
         for g, params, grads, exp_avgs, exp_avg_sqs, steps in todo:
@@ -162,6 +164,21 @@ def fused_step(opt: torch.optim.Optimizer) -> None:
                                 maximize=False, grad_scale=grad_scale, found_inf=found_inf)
             if found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
+def _make_state(opt: torch.optim.Optimizer) -> None:
+    """A fused AdamW's state for each parameter that has none, as torch's first step makes it (a step count on the
+    parameter's device, zero moments): its first step can then take fused_step's own path too. torch's step
+    would also do, but not over one group mixing DTensors and plain tensors (a replicated module under TP holds
+    both: TP splits the matrices only), which its fused kernel refuses."""
+    if type(opt) is not torch.optim.AdamW or not all(g.get("fused") for g in opt.param_groups):
+        return
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if not opt.state.get(p):
+                opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=_local(p).device),
+                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
 def freeze_modules(model: nn.Module, modules: list[str], cfg: TrainConfig) -> None:

@@ -109,7 +109,9 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
     finally:
         if own:
             weights.close()
-    attach_gradient_sums(model)  # on the parameters materialize made: the replicated modules' gradient sums
+    # on the parameters materialize made: the replicated modules' gradient sums
+    bf16_sums = cfg.train.dtype == "bf16" and cfg.parallel.reduce_dtype == "bf16"
+    attach_gradient_sums(model, torch.bfloat16 if bf16_sums else None)
     return plan
 
 
