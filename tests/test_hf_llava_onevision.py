@@ -117,3 +117,12 @@ def test_a_layout_or_task_the_anyres_tower_cannot_take_is_named_when_the_config_
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"--model.hf={folder}", *overrides], world_size=4)
     assert all(f in str(err.value) for f in fragments), str(err.value)
+
+
+def test_canvases_set_by_hand_that_are_not_whole_tiles_are_named_when_the_config_loads():
+    from loom.job import load_config
+    from loom.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.vision.grid_pinpoints = \[\[32, 40\]\].*32 × 40 is not whole tiles "
+                                          r"of 32 pixels.*1 × 1.25 tiles"):
+        load_config(None, ["--model.vision.grid_pinpoints=[[32, 40]]", "--data.tasks=[\"sums\"]"])
