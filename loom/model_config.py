@@ -143,6 +143,10 @@ class VisionConfig:
     rope_theta: float = 10000.0  # the tower's 2-D rotary base
     window_size: int = 0  # Qwen2.5-VL: layers attend within windows this many pixels a side (0: whole images) …
     full_attention_layers: list[int] = field(default_factory=list)  # … but these, over whole images
+    # LLaVA-OneVision's anyres: the (H, W) canvases an image may be tiled to in tiles of the tower's size, plus a
+    # base tile of the whole image (empty: no tiling) …
+    grid_pinpoints: list[list[int]] = field(default_factory=list)
+    max_tiles: int = 9  # … and the tile grid's rows pooled down to about this many tiles' worth (anyres_max_N)
     hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 

@@ -299,6 +299,22 @@ def llava(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def llava_onevision(tmp_path_factory):
+    """name of tests/llava_onevision_folders.py's FOLDERS → (transformers' model far from its init, its folder);
+    each written once per session."""
+    from llava_onevision_folders import write_llava_onevision
+
+    root, made = tmp_path_factory.mktemp("llava_onevision"), {}
+
+    def get(name: str = "ov"):
+        if name not in made:
+            made[name] = write_llava_onevision(name, root / name)
+        return made[name]
+
+    return get
+
+
 def assert_logits_equal_transformers(ref: torch.nn.Module, lm: torch.nn.Module, vocab: int, tol: float = 1e-5):
     """loom's DecoderLM `lm` gives transformers' `ref` logits within `tol`: on a padded batch of 2 × 24, and on 3
     samples packed into one stream (positions restart, attention stays inside each) against each alone."""

@@ -48,6 +48,10 @@ def check_tasks(cfg: JobConfig) -> None:
         raise ConfigError(f"data.tasks {images} draw images of assorted sizes, and this CLIP tower takes only "
                           f"{side} × {side} (its positions do not interpolate): train it on data.sources, whose images "
                           f"its processor sizes, or on text tasks")
+    if v.grid_pinpoints and "vision" in m.encoders and images:
+        raise ConfigError(f"data.tasks {images} draw images as tensors, and this LLaVA-OneVision tower takes each "
+                          f"image cut into tiles from its file (model.vision.grid_pinpoints): train it on "
+                          f"data.sources, whose images its processor cuts, or on text tasks")
     if m.tokenizer:
         raise ConfigError(f"model.tokenizer = {m.tokenizer!r} is the tokenizer of a user's data ([[data.sources]]); "
                           f"the built-in tasks (data.tasks) use loom's byte tokenizer")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.data.anyres_images import tiled_file
 from loom.data.audio import audio_file
 from loom.data.chat import ChatTokenizer
 from loom.data.conversations import MODULE_OF, BadSample, Conversation
@@ -46,7 +47,11 @@ def media_items(conv: Conversation, rules: MediaRules, counters: dict[str, Token
     for kind, module in MODULE_OF.items():
         if conv.items(kind) and module not in counters:
             raise BadSample(f"{conv.where}: has {kind} items but the model has no {module} encoder")
-    images = [image_file(p.source, rules.image, conv.where, p.name) for p in conv.items("image")]
+    parts, rule = conv.items("image"), rules.image
+    if rule.anyres is not None:  # LLaVA-OneVision's tiles; an image among several is not tiled, as its processor does
+        images = [tiled_file(p.source, rule, len(parts) == 1, conv.where, p.name) for p in parts]
+    else:
+        images = [image_file(p.source, rule, conv.where, p.name) for p in parts]
     clips = [audio_file(p.source, rules.n_mels, conv.where, p.name) for p in conv.items("audio")]
     rows = {module: [counters[module](x) for x in items] for module, items in (("vision", images), ("audio", clips))
             if items}

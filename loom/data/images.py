@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from loom.data.anyres import Anyres
 from loom.data.conversations import BadSample
 from loom.data.image_modes import as_rgb, upright_size
 from loom.data.sample import MediaFile
@@ -49,6 +50,8 @@ class ImageRule:
     shortest_edge: int = 0  # CLIP's processor: the shorter side resized to this first (0: Qwen2-VL's rule above)
     size: tuple[int, int] | None = None  # (H, W) every image ends at: CLIP's centred crop, or a straight resize
     smart_resize: bool = False  # Qwen2-VL's processor: its smart_resize to the letter (a side under half a patch too)
+    anyres: Anyres | None = None  # LLaVA-OneVision's processor: each image cut into tiles (anyres_images.py) …
+    fill: tuple[int, int, int] = (0, 0, 0)  # … an image among several padded square with this 8-bit colour (its mean)
 
     @staticmethod
     def of(patch: int, min_pixels: int, max_pixels: int, folder: str | Path | None = None,
@@ -79,7 +82,8 @@ class ImageRule:
                                           f"three of each, every std > 0")
         sizes = dict(patch=patch, min_pixels=min_pixels, max_pixels=max_pixels)
         sizes.update(_processor_sizes(data, config) if processor_sizes else {})
-        return ImageRule(**sizes, mean=mean, std=std, rescale_factor=factor, resample=resample)
+        fill = tuple(int(x * 255) for x in data.get("image_mean", mean))  # before do_normalize, as transformers pads
+        return ImageRule(**sizes, mean=mean, std=std, rescale_factor=factor, resample=resample, fill=fill)
 
 
 def _processor_sizes(data: dict, config: Path) -> dict:
@@ -165,7 +169,7 @@ def image_file(source: str | Path | bytes, rule: ImageRule, where: str = "", nam
     header alone (Pillow opens lazily); decoded on `load()`."""
     label = name or str(source)
     try:
-        with Image.open(_opened(source)) as img:
+        with Image.open(opened(source)) as img:
             height, width = upright_size(img)  # a photo stored turned (EXIF) is fed upright
     except (OSError, UnidentifiedImageError) as e:
         raise BadSample(f"{where + ': ' if where else ''}cannot read image {label!r} ({e})") from None
@@ -176,21 +180,25 @@ def image_file(source: str | Path | bytes, rule: ImageRule, where: str = "", nam
 def load_image(source: str | Path | bytes, rule: ImageRule, where: str = "", name: str = "") -> torch.Tensor:
     """[3, H, W] float32, normalised; an undecodable file is a BadSample naming `where` (file:line) and it."""
     try:
-        with Image.open(_opened(source)) as img:
+        with Image.open(opened(source)) as img:
             img = as_rgb(img)
             h, w = resized_size(img.height, img.width, rule)
             img = img.resize((w, h), Image.Resampling(rule.resample))
             if rule.shortest_edge:  # the centred crop, its top-left corner rounded down as transformers rounds it
                 (ch, cw), top, left = rule.size, (h - rule.size[0]) // 2, (w - rule.size[1]) // 2
                 img = img.crop((left, top, left + cw, top + ch))
-            pixels = np.asarray(img, dtype=np.float32) * np.float32(rule.rescale_factor)
+            return normalised(img, rule)
     except (OSError, UnidentifiedImageError) as e:
         raise BadSample(f"{where + ': ' if where else ''}cannot decode image {name or str(source)!r} ({e})") from None
-    x = torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+def normalised(img: Image.Image, rule: ImageRule) -> torch.Tensor:
+    """An 8-bit RGB picture → [3, H, W] float32: rescaled, then the mean taken off and divided by the std."""
+    x = torch.from_numpy(np.asarray(img, dtype=np.float32) * np.float32(rule.rescale_factor)).permute(2, 0, 1)
     mean, std = torch.tensor(rule.mean).view(3, 1, 1), torch.tensor(rule.std).view(3, 1, 1)
     return (x - mean) / std
 
 
-def _opened(source: str | Path | bytes):
+def opened(source: str | Path | bytes):
     """What Image.open reads: a path, or a file's bytes (a `datasets` Image feature's) as a file object."""
     return io.BytesIO(source) if isinstance(source, bytes) else source

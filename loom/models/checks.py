@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from loom.data.anyres import check_pinpoints
 from loom.models.experts import grouped_mm
 from loom.models.layers import rope_type
 from loom.models.llm import LLMConfig
@@ -38,6 +39,12 @@ def check_model(m: ModelConfig, tokenizer_vocab: int) -> None:
             )
     if m.vision.position_grid < 1 or m.vision.patch_size < 1:
         raise ConfigError("model.vision.patch_size and model.vision.position_grid must be ≥ 1")
+    v = m.vision
+    if "vision" in m.encoders and v.grid_pinpoints:  # LLaVA-OneVision's anyres canvases, whole tiles each
+        bad = check_pinpoints(v.grid_pinpoints, v.position_grid * v.patch_size)
+        if bad or v.max_tiles < 1:
+            raise ConfigError(f"model.vision.grid_pinpoints = {v.grid_pinpoints}, max_tiles = {v.max_tiles}: "
+                              f"{bad or 'max_tiles must be ≥ 1'}")
 
 
 def check_language(lm: LLMConfig, tokenizer_vocab: int) -> None:

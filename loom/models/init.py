@@ -59,6 +59,9 @@ def _rule(name: str, owner: nn.Module, attr: str, llm_std: float | None):
         return lambda t, gen: t.normal_(0.0, llm_std, generator=gen)  # Router / Experts: every tensor a weight
     if isinstance(owner, nn.Embedding):
         return lambda t, gen: t.normal_(0.0, 1.0, generator=gen)
+    if attr == "image_newline":  # LLaVA-OneVision's row end (models/tile_rows.py), drawn as it draws it
+        std = owner.image_newline.shape[-1] ** -0.5
+        return lambda t, gen: t.normal_(0.0, std, generator=gen)
     if attr == "class_embedding":  # a CLIP tower's [CLS] row, drawn as CLIP draws it
         std = owner.class_embedding.shape[-1] ** -0.5
         return lambda t, gen: t.normal_(0.0, std, generator=gen)

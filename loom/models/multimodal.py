@@ -17,28 +17,38 @@ from loom.models.audio import AudioEncoder
 from loom.models.llm import DecoderLM
 from loom.models.projector import Projector
 from loom.models.qwen2_vision import Qwen2VisionEncoder
+from loom.models.tile_rows import TileRows
 from loom.models.vision import VisionEncoder
 
 
 class ModalityEncoder(nn.Module):
     """An encoder and its projector: inputs of one modality → [tokens, llm_hidden]."""
 
-    def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu", hidden: int = 0) -> None:
-        """`hidden`: the projector's width between its matmuls (0: llm_hidden; Qwen2-VL's merger: its input's)."""
+    def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu", hidden: int = 0,
+                 tiles: TileRows | None = None) -> None:
+        """`hidden`: the projector's width between its matmuls (0: llm_hidden; Qwen2-VL's merger: its input's);
+        `tiles`: LLaVA-OneVision's anyres images, whose tiles the encoder takes and whose rows it lays out."""
         super().__init__()
         self.encoder = encoder
         self.projector = Projector(encoder.out_dim, llm_hidden, projector_act, hidden)
+        self.tiles = tiles
 
     def num_tokens(self, item: torch.Tensor) -> int:
-        return self.encoder.num_tokens(item)
+        return self.encoder.num_tokens(item) if self.tiles is None else self.tiles.num_tokens(item)
 
     def forward(self, items: list[torch.Tensor]) -> torch.Tensor:
         if not items:
             # No item of this modality in the batch: run one minimal input anyway and return no rows, so every
             # replica runs every module each step (FSDP's gathers and reductions need all of them) and the
             # zero-row output still carries the (zero) gradient back through the encoder.
-            return self.projector(self.encoder([self.encoder.empty_input()]))[:0].clone()  # no view: FSDP warns
-        return self.projector(self.encoder(items))
+            empty = self.encoder.empty_input() if self.tiles is None else self.tiles.empty_input()
+            return self._rows([empty])[:0].clone()  # no view: FSDP warns
+        return self._rows(items)
+
+    def _rows(self, items: list) -> torch.Tensor:
+        if self.tiles is None:
+            return self.projector(self.encoder(items))
+        return self.tiles(self.projector(self.encoder(self.tiles.tiles(items))), items)
 
 
 class MultimodalModel(nn.Module):
@@ -95,7 +105,8 @@ def build_model(
         tower = make(Qwen2VisionEncoder if qwen else VisionEncoder, vision)
         # Qwen2-VL's merger MLP keeps its input's width in between (LLaVA's projector: the LLM's)
         hidden = tower.out_dim if qwen else 0
-        encoders["vision"] = ModalityEncoder(tower, language.hidden_size, vision.projector_act, hidden)
+        tiles = TileRows(vision, language.hidden_size) if vision.grid_pinpoints else None
+        encoders["vision"] = ModalityEncoder(tower, language.hidden_size, vision.projector_act, hidden, tiles)
     if audio is not None:
         encoders["audio"] = ModalityEncoder(make(AudioEncoder, audio), language.hidden_size)
     return MultimodalModel(make(DecoderLM, language), encoders, placeholder_ids)

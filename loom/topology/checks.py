@@ -186,6 +186,11 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
                           f"{enc.family!r}): loom runs it data-parallel only for now (its fused qkv has no "
                           f"tensor-parallel plan, and a shard or stage would need whole 2×2 merger groups); set "
                           f"layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
+    if name == "vision" and enc.grid_pinpoints and (lay.tp > 1 or lay.pp > 1):
+        raise ConfigError(f"vision: tp = {lay.tp}, pp = {lay.pp} with LLaVA-OneVision's anyres tower "
+                          f"(model.vision.grid_pinpoints): loom runs it data-parallel only for now (its rows are "
+                          f"laid out per image after the projector, which a tp shard or a stage does not hold "
+                          f"whole); set layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
     _divides(lay, "tp", {"num_heads": enc.num_heads, "hidden_size": enc.hidden_size,
                          "intermediate_size": enc.intermediate_size}, f"model.{name}")
 

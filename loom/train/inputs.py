@@ -89,7 +89,7 @@ class StepInputs:
 
     def pin_memory(self) -> StepInputs:
         """Page-locked host copies (the DataLoader's pinning thread calls it), for asynchronous copies."""
-        return self.map(torch.Tensor.pin_memory, Batch.pin_memory)
+        return self.map(lambda x: x.pin_memory(), Batch.pin_memory)  # an item: a tensor, or anyres tiles
 
     def map(self, item_fn, batch_fn) -> StepInputs:
         micro = [StepBatch(None if m.llm is None else batch_fn(m.llm),

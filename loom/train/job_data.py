@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loom.config import ConfigError, JobConfig
+from loom.data.anyres import Anyres
+from loom.data.anyres_images import check_processor
 from loom.data.batch import round_up
 from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules
@@ -118,6 +120,11 @@ def media_rules(cfg: JobConfig) -> MediaRules:
     low, high = d.image_min_pixels or p * p, d.image_max_pixels or (v.position_grid * p) ** 2
     try:
         image = ImageRule.of(p, low, high, v.hf or None, processor_sizes=bool(cfg.model.hf))
+        if v.grid_pinpoints:  # LLaVA-OneVision's tiles, cut for the canvases its config.json names
+            image = dataclasses.replace(image, anyres=Anyres.of(v.grid_pinpoints, v.position_grid * p,
+                                                                v.position_grid, v.max_tiles))
+            if v.hf:
+                check_processor(v.hf, image)
     except PreprocessorConfigError as e:
         raise ConfigError(f"model.{'' if cfg.model.hf else 'vision.'}hf = {v.hf!r}: {e}") from None
     except ValueError as e:

@@ -50,6 +50,8 @@ def initial_weights(model: MultimodalModel, cfg: JobConfig, pretrained: bool = T
             folders[prefix] = HFWeights(folder, module, grown)
     if pretrained and cfg.model.hf:  # a whole-model folder holds the projector too
         folders["vision.projector."] = HFWeights(cfg.model.hf, model.encoder("vision").projector)
+        if model.encoder("vision").tiles is not None:  # LLaVA-OneVision's image_newline
+            folders["vision.tiles."] = HFWeights(cfg.model.hf, model.encoder("vision").tiles)
     return InitialWeights(cfg.train.seed, cfg.model.language.init_std, folders)
 
 

@@ -41,10 +41,10 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
     with torch.device("meta"):
         model = build_model(m.language, m.vision, None, {"vision": family.image_token(hf)})
     parts = {"language.": model.language, "vision.encoder.": model.vision.encoder,
-             "vision.projector.": model.vision.projector}
+             "vision.projector.": model.vision.projector, "vision.tiles.": model.vision.tiles}
     tensors: dict[str, torch.Tensor] = {}
     unread: dict[str, torch.Tensor] = {}
-    for prefix, module in parts.items():
+    for prefix, module in ((p, m) for p, m in parts.items() if m is not None):  # tiles: an anyres model's
         grown = ("embed_tokens.weight", "lm_head.weight") if prefix == "language." else ()
         weights = HFWeights(source, module, grown)
         try:

@@ -31,12 +31,14 @@ from loom.models.llm import DecoderLM, LLMConfig
 from loom.models.multimodal import ModelConfig, build_model
 from loom.models.projector import Projector
 from loom.models.qwen2_vision import Qwen2VisionEncoder
+from loom.models.tile_rows import TileRows
 from loom.models.vision import VisionEncoder
 from loom.typed_config import ConfigError
 
 MODULES = {"language": DecoderLM, "vision": VisionEncoder, "audio": AudioEncoder}
-# what a folder may fill: a whole-model folder also has a projector, and Qwen2-VL's tower is a vision module
-PARTS = {**MODULES, "projector": Projector, "qwen2_vl_vision": Qwen2VisionEncoder}
+# what a folder may fill: a whole-model folder also has a projector (and LLaVA-OneVision's image_newline), and
+# Qwen2-VL's tower is a vision module
+PARTS = {**MODULES, "projector": Projector, "qwen2_vl_vision": Qwen2VisionEncoder, "tiles": TileRows}
 KINDS = {"qwen2_vl_vision": "vision"}
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -275,8 +277,9 @@ def _build_whole(folder: str | Path, hf: dict, device, dtype) -> nn.Module:
         model = build_model(lm, vision, None, {"vision": family.image_token(hf)})
     if dtype is not None:
         model.to(dtype)
-    for module in (model.language, model.vision.encoder, model.vision.projector):
-        load_module(folder, module, device)
+    for module in (model.language, model.vision.encoder, model.vision.projector, model.vision.tiles):
+        if module is not None:  # tiles: only an anyres model's
+            load_module(folder, module, device)
     return model
 
 

@@ -28,6 +28,7 @@ _RENAMES = {
         (r"^(layers\.\d+)\.mlp\.", r"\1."),
     ],
     "projector": [],
+    "tiles": [],  # LLaVA-OneVision's image_newline
 }
 FAMILY_RENAMES = {"mixtral": MIXTRAL_RENAMES, **qwen2_vl.RENAMES}
 # where the module's tensors sit in the checkpoint: tried in order, recognised by the anchor tensor

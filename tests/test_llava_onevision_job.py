@@ -1,0 +1,81 @@
+"""A LLaVA-OneVision folder as a job's `[model] hf`: a user's conversations (an image alone is tiled, images of a
+sample with several are a base tile each) train under a layout of its own per module with `loom verify` passing
+against one process, and `loom export` writes back a llava_onevision folder transformers loads with loom's logits."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+from conftest import tiny_chat_tokenizer  # noqa: E402
+from test_hf_llava import _image_conversations  # noqa: E402
+
+
+def _verify(overrides: list[str]) -> list[dict]:
+    from oracle import run_verify
+
+    return run_verify(overrides)
+
+
+def _job(folder, tmp_path) -> list[str]:
+    (tmp_path / "tok").mkdir()
+    data = _image_conversations(tmp_path / "data")
+    return [f"--model.hf={folder}", f"--model.tokenizer={tiny_chat_tokenizer(tmp_path / 'tok')}",
+            f'--data.sources=[{{path = "{data}", weight = 1.0}}]', "--data.heldout_size=2",
+            "--train.global_batch_size=8"]
+
+
+def test_loom_verify_passes_for_a_llava_onevision_folder_with_the_tower_fanning_in(llava_onevision, worlds, tmp_path):
+    """The tower at dp4 on 4 gloo ranks, the LLM at tp2 · dp2: loss, gradients, grad norms and the weights after
+    each step equal the one-process reference's, image_newline's included."""
+    _, folder = llava_onevision()
+    overrides = [*_job(folder, tmp_path), "--layout.vision.tp=1", "--layout.language.tp=2"]
+    per_rank = worlds.run(4, _verify, overrides, timeout=300)
+    for rank, checks in enumerate(per_rank):
+        assert len(checks) == 3
+        for step, check in enumerate(checks):
+            assert check["modules"] == ["language", "vision"]
+            assert check["ref_norm"] > check["clip"], f"rank {rank} step {step + 1}: clipping not active"
+            assert check["passed"], f"rank {rank} step {step + 1}: {check['failures']}"
+        assert checks == per_rank[0]
+
+
+def test_a_llava_onevision_job_exports_a_folder_transformers_reads_with_equal_logits(llava_onevision, tmp_path,
+                                                                                      capsys):
+    """One step in fp32 on a user's conversations (image_newline and the tower trained too), a checkpoint, `loom
+    export` → one llava_onevision folder: every tensor transformers expects, the tower's unread head as it was,
+    and loom's logits on packed anyres samples."""
+    import torch
+    from safetensors.torch import load_file
+    from test_hf_llava_onevision import IMAGES, hf_logits, loom_logits, samples_of
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    import loom.cli
+    from loom.job import load_config
+    from loom.train.trainer import Trainer
+
+    ref, folder = llava_onevision()
+    cfg = load_config(None, [*_job(folder, tmp_path), "--train.steps=1", "--train.device=cpu", "--data.workers=0",
+                             "--run.tensorboard=false", "--run.progress=false", f"--run.out_dir={tmp_path}/run"])
+    trainer = Trainer(cfg)
+    model = trainer.model
+    assert torch.equal(model.vision.tiles.image_newline, ref.model.image_newline)
+    trainer.train_step(trainer.batches.shard(0))
+    assert not torch.equal(model.vision.tiles.image_newline, ref.model.image_newline)
+    trainer.checkpoint()
+    assert loom.cli.main(["export", str(tmp_path / "run" / "step-1"), "--hf", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+
+    back, info = LlavaOnevisionForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    original, exported = load_file(folder / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    head = [k for k in original if ".head." in k or "post_layernorm" in k]
+    assert head and all(torch.equal(exported[k], original[k]) for k in head)
+    assert torch.equal(exported["image_newline"], model.vision.tiles.image_newline)
+    samples = samples_of(model, IMAGES, seed=3)
+    image_id = ref.config.image_token_index  # the folder's; the job's tokenizer added its own <image>
+    as_hf = [(torch.where(ids == model.placeholder_ids["vision"], image_id, ids), items) for ids, items in samples]
+    want = hf_logits(back.eval(), as_hf)
+    assert want.abs().max() > 1.0
+    assert (loom_logits(model.eval(), samples) - want).abs().max() <= 1e-5
