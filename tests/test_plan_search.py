@@ -242,6 +242,19 @@ def test_the_head_is_priced_on_the_targets_except_under_sequence_parallel():
     assert estimate(sizes, tp_sp, sp, targets, cal).seconds == estimate(sizes, tp_sp, sp, every, cal).seconds
 
 
+def test_a_replicated_module_holds_its_state_whole_and_all_reduces_once():
+    """`fsdp = false`: the weights, gradients and AdamW moments of every parameter on each rank (dp4 holds 4× the
+    sharded state) and nothing gathered; its collective is one all-reduce of the gradients a step."""
+    cal = unit_calibration()
+    sharded = module_costs(SIZES, ModuleLayout(dp=4), Settings(), 4096, [1024] * 4, 1, cal)
+    whole = module_costs(SIZES, ModuleLayout(dp=4), Settings(replicated=frozenset({SIZES.name})), 4096, [1024] * 4,
+                         1, cal)
+    assert whole.bytes["weights+grads+adamw"] == pytest.approx(4 * sharded.bytes["weights+grads+adamw"])
+    assert whole.bytes["gathered weights"] == 0 < sharded.bytes["gathered weights"]
+    assert whole.seconds["fsdp"] == pytest.approx(collective_s(cal, "all_reduce", 4, fsdp_bytes(SIZES.params, 1, 1, 4)))
+    assert whole.seconds["optimizer"] == pytest.approx(4 * sharded.seconds["optimizer"])
+
+
 def test_activation_checkpointing_keeps_less():
     full = activation_bytes_per_token_layer(SIZES, 1, 2, checkpointing="full")
     none = activation_bytes_per_token_layer(SIZES, 1, 2)

@@ -10,7 +10,8 @@ Per rank and step, each module it hosts costs
     pp          each microbatch's activations sent to the next stage, and their gradient back
     fsdp        all-gather of the module's parameters (per dp×cp group) per microbatch — twice when resharded
                 after forward — and one reduce-scatter of the gradients per step (per microbatch: pp_grad_reduce);
-                one collective per FSDP unit (each block, and the root)
+                one collective per FSDP unit (each block, and the root); a replicated module (`fsdp = false`):
+                one all-reduce of its gradients a step, its weights, gradients and AdamW state whole
     bridge      the encoder rows into the LLM and their gradients back (colocated: a collective; p2p otherwise)
     optimizer   AdamW over the rank's fp32 shards: 28 bytes a parameter at memory bandwidth
     host        the host's launches: per layer and microbatch (plus what a TP or FSDP split adds, measured:
@@ -107,6 +108,7 @@ class Settings:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     sequence_parallel: bool = False
+    replicated: frozenset[str] = frozenset()  # modules with `fsdp = false`: whole on each dp·cp rank
 
 
 @dataclass
@@ -214,7 +216,8 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
         c.seconds["pp"] = runs_per_step * 2 * collective_s(cal, "p2p", 2, width_bytes)
     # FSDP: dense parameters over dp×cp, experts over efsdp = dp·cp / ep
     dense, experts = m.params - m.expert_params, m.expert_params / lay.ep
-    shard_group, expert_group = dp * cp, dp * cp // lay.ep
+    replicated = m.name in s.replicated
+    shard_group, expert_group = (1, 1) if replicated else (dp * cp, dp * cp // lay.ep)
     gathers = runs_per_step * (2 if s.reshard_after_forward else 1)
     per_unit = s.unit_blocks.get(m.name, 1)
     reduces = runs_per_step if (pp > 1 and s.pp_grad_reduce == "microbatch") else 1
@@ -224,10 +227,12 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     for calls, params, group in units:
         fsdp += gathers * collective_s(cal, "all_gather", group, fsdp_bytes(params, tp, pp, s.dtype_bytes), calls)
         fsdp += reduces * collective_s(cal, "reduce_scatter", group, fsdp_bytes(params, tp, pp, 4), calls)
+    if replicated:  # nothing gathered: one all-reduce of the fp32 gradients a step (parallel/replicate.py)
+        fsdp = collective_s(cal, "all_reduce", dp * cp, fsdp_bytes(m.params, tp, pp, 4)) if dp * cp > 1 else 0.0
     c.seconds["fsdp"] = fsdp
     local_params = dense / (tp * pp * shard_group) + experts / (tp * pp * expert_group)
     c.seconds["optimizer"] = ADAMW_BYTES * local_params / cal.memory_bytes_per_s
-    per_layer = cal.overhead_per_layer_s + cal.extra("tp", tp) + cal.extra("fsdp", dp * cp)
+    per_layer = cal.overhead_per_layer_s + cal.extra("tp", tp) + (0.0 if replicated else cal.extra("fsdp", dp * cp))
     c.seconds["host"] = runs_per_step * (layers * per_layer + cal.overhead_per_microbatch_s)
     # memory
     unsharded = dense / (tp * pp) + experts / (tp * pp)
@@ -236,7 +241,7 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
         c.bytes["accumulated grads"] = 4 * unsharded if s.pp_grad_reduce == "step" else 0.0
     # resharded: this unit, the next one (prefetched) and the last (kept for its backward); else every block
     kept_blocks = layers if not s.reshard_after_forward else min(layers, 3 * per_unit)
-    c.bytes["gathered weights"] = unsharded * s.dtype_bytes * kept_blocks / layers
+    c.bytes["gathered weights"] = 0.0 if replicated else unsharded * s.dtype_bytes * kept_blocks / layers
     in_flight = 1
     if pp > 1:
         in_flight = runs_per_step if s.pp_schedule == "gpipe" else min(pp, runs_per_step)
