@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_chat_tokenizer  # noqa: E402
+from vlm_jobs import png_files  # noqa: E402
 from transformers import LlavaProcessor, PreTrainedTokenizerFast  # noqa: E402
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: E402
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil  # noqa: E402
@@ -21,15 +21,6 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 from loom.data.images import ImageRule, PreprocessorConfigError, image_file, load_image  # noqa: E402
 
 SIZES = [(40, 25), (27, 40), (17, 17), (301, 230), (16, 64)]  # (H, W): portrait, landscape, odd, large, thin
-
-
-def _pngs(root, sizes=SIZES) -> list:
-    rng = np.random.default_rng(0)
-    paths = []
-    for h, w in sizes:
-        paths.append(root / f"{h}x{w}.png")
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
-    return paths
 
 
 def _rule(processor, folder) -> ImageRule:
@@ -44,7 +35,7 @@ def _rule(processor, folder) -> ImageRule:
 ], ids=["clip-defaults", "clip-20-crop-16x12", "siglip-16"])
 def test_images_are_the_processors_pixels(processor, tmp_path):
     rule = _rule(processor, tmp_path / "folder")
-    for path in _pngs(tmp_path):
+    for path in png_files(tmp_path, SIZES):
         want = torch.from_numpy(processor(Image.open(path), return_tensors="np")["pixel_values"][0])
         got = load_image(path, rule)
         assert image_file(path, rule).shape == tuple(got.shape) == tuple(want.shape), path.name
@@ -83,7 +74,7 @@ def test_each_image_has_as_many_placeholders_as_llava_processor_writes(llava, na
                                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
                                num_additional_image_tokens=1 if clip else 0)
     rule, model = _rule(images, tmp_path / "folder"), build_pretrained(folder)
-    for path in _pngs(tmp_path):
+    for path in png_files(tmp_path, SIZES):
         ids = processor(text="<image> what is it", images=[Image.open(path)])["input_ids"][0]
         want = sum(i == processor.image_token_id for i in ids)
         assert model.encoder("vision").num_tokens(load_image(path, rule)) == want == 16, path.name
@@ -126,7 +117,7 @@ def test_a_llava_conversation_gives_llava_processors_ids(llava, tmp_path, bos):
     processor = LlavaProcessor(image_processor=image_processor("clip-llama"), tokenizer=tok, patch_size=4,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=LLAVA_TEMPLATE)
-    paths = _pngs(tmp_path, SIZES[:3])
+    paths = png_files(tmp_path, SIZES[:3])
     messages = [{"role": "user", "content": [{"type": "image", "path": paths[0].name},
                                              {"type": "text", "text": "What is this?"},
                                              {"type": "image", "path": paths[1].name}]},

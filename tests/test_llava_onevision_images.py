@@ -13,7 +13,8 @@ from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 from llava_onevision_folders import FOLDERS, image_processor  # noqa: E402
-from test_llava_images import _hf_tokenizer, _pngs  # noqa: E402
+from test_llava_images import _hf_tokenizer  # noqa: E402
+from vlm_jobs import png_files  # noqa: E402
 from transformers import LlavaOnevisionProcessor  # noqa: E402
 
 from loom.data.anyres_images import load_tiled, tiled_file  # noqa: E402
@@ -33,7 +34,7 @@ def _rules(folder):
 def test_tiles_are_the_processors_pixels(llava_onevision, tmp_path):
     _, folder = llava_onevision()
     rule, processor = _rules(folder).image, image_processor()
-    paths = _pngs(tmp_path, SIZES)
+    paths = png_files(tmp_path, SIZES)
     for path in paths:
         want = processor(images=[Image.open(path)], return_tensors="np")
         got = load_tiled(path, rule, alone=True)
@@ -62,7 +63,7 @@ def test_each_image_has_as_many_placeholders_as_the_processor_writes(llava_onevi
                                         num_image_tokens=16, vision_feature_select_strategy="full",
                                         vision_aspect_ratio=cfg.vision_aspect_ratio)
     rules, counters = _rules(folder), {"vision": build_pretrained(folder).encoder("vision").num_tokens}
-    paths = _pngs(tmp_path, SIZES)
+    paths = png_files(tmp_path, SIZES)
     seen = set()
     for group in [[p] for p in paths] + [paths[:2], paths[2:5]]:
         ids = processor(text="<image>" * len(group) + " what is it", images=[[Image.open(p) for p in group]])

@@ -54,21 +54,12 @@ def test_the_folder_is_a_llava_folder_transformers_reads_with_loom_s_logits(out)
 
 def test_examples_llava_toml_trains_under_its_layout_and_exports(out, tmp_path):
     pytest.importorskip("transformers")
-    import loom.cli
+    from vlm_jobs import train_example_and_export
+
     from loom.models.hf import build_pretrained
 
-    run = tmp_path / "run"
-    code = loom.cli.main([
-        "train", str(SCRIPT.parent / "llava.toml"), f"--model.hf={out / 'model'}",
-        f"--model.tokenizer={out / 'model'}", f"--data.heldout={out / 'data' / 'heldout.jsonl'}",
-        f'--data.sources=[{{path = "{out / "data" / "train.jsonl"}", weight = 1.0}}]', "--train.steps=2",
-        "--train.global_batch_size=8", f"--run.out_dir={run}", "--run.tensorboard=false", "--run.progress=false",
-        "--train.eval_max_new_tokens=2"])
-    assert code == 0
-    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-              if r["kind"] == "train"]
+    losses = train_example_and_export(SCRIPT.parent / "llava.toml", out, tmp_path / "run", tmp_path / "hf")
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
-    assert loom.cli.main(["export", str(run / "step-2"), "--hf", str(tmp_path / "hf")]) == 0
     assert {"tokenizer.json", "chat_template.json", "preprocessor_config.json"} <= {
         p.name for p in (tmp_path / "hf").iterdir()}
     _logits_equal(tmp_path / "hf", build_pretrained(tmp_path / "hf"))

@@ -20,24 +20,23 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def qwen2vl_job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen2vl_job")
-    _, folder = write_qwen2vl(root / "folder")
+def _job(root, write_folder) -> list[str]:
+    """A job on the folder `write_folder` makes under `root`, a tiny chat tokenizer and image conversations."""
+    _, folder = write_folder(root / "folder")
     (root / "tok").mkdir()
     return [f"--model.hf={folder}", f"--model.tokenizer={tiny_chat_tokenizer(root / 'tok')}",
             f'--data.sources=[{{path = "{_image_conversations(root / "data")}", weight = 1.0}}]',
             "--data.heldout_size=2", "--train.global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def qwen2vl_job(tmp_path_factory):
+    return _job(tmp_path_factory.mktemp("qwen2vl_job"), write_qwen2vl)
 
 
 @pytest.fixture(scope="module")
 def qwen2_5_vl_job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen2_5_vl_job")
-    _, folder = write_qwen2_5_vl(root / "folder")
-    (root / "tok").mkdir()
-    return [f"--model.hf={folder}", f"--model.tokenizer={tiny_chat_tokenizer(root / 'tok')}",
-            f'--data.sources=[{{path = "{_image_conversations(root / "data")}", weight = 1.0}}]',
-            "--data.heldout_size=2", "--train.global_batch_size=8"]
+    return _job(tmp_path_factory.mktemp("qwen2_5_vl_job"), write_qwen2_5_vl)
 
 
 def test_loom_verify_passes_for_a_qwen2_5_vl_folder_with_the_llm_at_cp2(qwen2_5_vl_job, worlds):

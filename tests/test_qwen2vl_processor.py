@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_chat_tokenizer  # noqa: E402
+from vlm_jobs import png_files  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen2VLProcessor  # noqa: E402
 
 from loom.data.images import ImageRule, image_file, load_image  # noqa: E402
@@ -45,15 +45,6 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 TOWER_CONFIG = VisionConfig(family="qwen2_vl", patch_size=14, hidden_size=32, num_heads=2)
 
 
-def _pngs(root, sizes=SIZES) -> list:
-    rng = np.random.default_rng(0)
-    paths = []
-    for h, w in sizes:
-        paths.append(root / f"{h}x{w}.png")
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
-    return paths
-
-
 def _rule(processor, folder) -> ImageRule:
     processor.save_pretrained(folder)
     return ImageRule.of(28, 28 * 28, 28 * 28 * 4, folder, processor_sizes=True)  # the file's sizes replace these
@@ -64,7 +55,7 @@ def test_images_are_qwen2vl_processors_patches_and_grids(name, tmp_path):
     processor = Qwen2VLImageProcessorPil(**PROCESSORS[name])
     rule, tower = _rule(processor, tmp_path / "folder"), Qwen2VisionEncoder(TOWER_CONFIG)
     assert (rule.patch, rule.smart_resize) == (28, True)
-    for path in _pngs(tmp_path):
+    for path in png_files(tmp_path, SIZES):
         want = processor(Image.open(path), return_tensors="pt")
         image = load_image(path, rule)
         assert image_file(path, rule).shape == tuple(image.shape), path.name
@@ -98,7 +89,7 @@ def test_a_qwen2vl_conversation_gives_qwen2vl_processors_ids_and_rope_index(tmp_
     tok = _hf_tokenizer(tmp_path / "tok")
     images = Qwen2VLImageProcessorPil(**PROCESSORS["small"])
     processor = Qwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=QWEN2VL_TEMPLATE)
-    paths = _pngs(tmp_path, SIZES[:3])
+    paths = png_files(tmp_path, SIZES[:3])
     messages = [{"role": "user", "content": [{"type": "image", "path": paths[0].name},
                                              {"type": "text", "text": "What is this?"},
                                              {"type": "image", "path": paths[1].name}]},

@@ -45,7 +45,6 @@ class GradientSum:
         self.sync = False
         self.buckets: list[list[int]] | None = None  # parameter indices; built after the first synced backward
         self.bucket_of: list[int] = []
-        self._seen: list[int] = []  # parameters whose gradient was finished in this synced backward, in order
         self._reset()
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._finished, i))
@@ -54,7 +53,7 @@ class GradientSum:
         self._ready = [0] * len(self.buckets or [])
         self._next = 0  # the next bucket to issue: buckets go out in order, the same on every rank
         self._pending: list[tuple[dist.Work, torch.Tensor | None, list[torch.Tensor]]] = []
-        self._seen = []
+        self._seen: list[int] = []  # parameters whose gradient this synced backward finished, in order
 
     def set_sync(self, enabled: bool) -> None:
         """On for the backward after which the step's gradients are complete (its last microbatch's)."""

@@ -18,6 +18,7 @@ from loom.models.multimodal import MultimodalModel
 from loom.parallel import parallelize
 from loom.parallel.compile import compile_backend, compile_blocks
 from loom.parallel.experts import add_expert_groups
+from loom.parallel.fsdp import mixed_precision
 from loom.parallel.materialize import WeightSource, materialize
 from loom.parallel.replicate import attach_gradient_sums
 from loom.parallel.pipeline import Pipeline
@@ -109,9 +110,8 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
     finally:
         if own:
             weights.close()
-    # on the parameters materialize made: the replicated modules' gradient sums
-    bf16_sums = cfg.train.dtype == "bf16" and cfg.parallel.reduce_dtype == "bf16"
-    attach_gradient_sums(model, torch.bfloat16 if bf16_sums else None)
+    # on the parameters materialize made: the replicated modules' gradient sums, in FSDP2's reduce dtype
+    attach_gradient_sums(model, mixed_precision(cfg.train.dtype, cfg.parallel.reduce_dtype).reduce_dtype)
     return plan
 
 
