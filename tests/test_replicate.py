@@ -60,3 +60,28 @@ def test_unsupported_replicas_are_refused_at_load(overrides, says):
 def test_cuda_graphs_allowed_when_every_module_is_replicated():
     cfg = _check(ALL + GRAPHS)
     assert not cfg.layout.language.fsdp and cfg.train.compile_mode == "reduce-overhead"
+
+
+def _sums_taken_in(overrides: list[str]) -> list[str]:
+    """On a dp2 world, every module replicated: the dtype each GradientSum sums in (None: the gradients' own)."""
+    import torch
+    from conftest import TINY_MODEL_OVERRIDES
+
+    from loom.data.tokenizer import ByteTokenizer
+    from loom.parallel.replicate import gradient_sums
+    from loom.train.build import build_job_model, setup_parallel
+
+    cfg = load_config(None, [*TINY_MODEL_OVERRIDES, "--train.device=cpu", *ALL, *overrides], world_size=2)
+    model = build_job_model(cfg, ByteTokenizer())
+    setup_parallel(model, cfg, torch.device("cpu"))
+    return [str(s.reduce_dtype) for s in gradient_sums(model)]
+
+
+@pytest.mark.parametrize("overrides, dtype", [
+    ([], "None"),
+    (["--train.dtype=bf16"], "torch.float32"),
+    (["--train.dtype=bf16", "--parallel.reduce_dtype=bf16"], "torch.bfloat16"),
+])
+def test_sums_take_fsdp2_s_reduce_dtype(worlds, overrides, dtype):
+    """One GradientSum for the three modules on the same ranks, in the dtype FSDP2 would reduce in."""
+    assert worlds.run(2, _sums_taken_in, overrides) == [[dtype]] * 2
