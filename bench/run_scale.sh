@@ -6,7 +6,8 @@
 # e.g. "before:4:16384 after:4:16384 after:4:16384:parallel.fsdp_prefetch=2 after:1:16384"
 # EXTRA: more mm_bench arguments for every row (--small: the CPU form).
 # STEPS (default 8) timed steps after WARMUP (3); LIMIT: seconds a row may take (default 240). The word
-# `profile` among a spec's KEY=VALUEs adds --profile and --timeline on every rank (files under OUT).
+# `profile` among a spec's KEY=VALUEs adds --profile and --timeline on every rank (files under OUT); `env:NAME=V`
+# sets an environment variable for that row alone (e.g. env:NCCL_PROTO=Simple).
 set -u
 mkdir -p "$1"; out=$(cd "$1" && pwd); specs=$2; steps=${STEPS:-8}; warmup=${WARMUP:-3}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -14,10 +15,12 @@ n=0
 for spec in $specs; do
   IFS=: read -r tree gpus t sets <<<"$spec"
   n=$((n + 1))
-  extra=(--set train.compile=true --set "data.tokens_per_microbatch=$t")
+  extra=(--set train.compile=true --set "data.tokens_per_microbatch=$t"); envs=()
   [ "$gpus" = 1 ] && extra+=(--set train.compile_mode=reduce-overhead)
   for kv in ${sets//,/ }; do
-    if [ "$kv" = profile ]; then  # every rank's profile summary and compute timeline, under OUT
+    if [ "${kv#env:}" != "$kv" ]; then
+      envs+=("${kv#env:}")
+    elif [ "$kv" = profile ]; then  # every rank's profile summary and compute timeline, under OUT
       extra+=(--profile "$out/profile-$n-{rank}.txt" --timeline "$out/timeline-$n-{rank}.json")
     else
       extra+=(--set "$kv")
@@ -26,7 +29,7 @@ for spec in $specs; do
   launch=(python)
   [ "$gpus" -gt 1 ] && launch=(torchrun --standalone --nproc-per-node="$gpus")
   echo "=== row $n: $spec $(date +%T)"
-  (cd "$tree" && CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((gpus - 1))) PYTHONPATH=. timeout "${LIMIT:-240}" \
+  (cd "$tree" && env "${envs[@]}" CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((gpus - 1))) PYTHONPATH=. timeout "${LIMIT:-240}" \
     "${launch[@]}" bench/mm_bench.py --seq "$t" --steps "$steps" --warmup "$warmup" "${extra[@]}" ${EXTRA:-} \
     2>>"$out/err-$n.log") | grep '^{' | sed "s|^{|{\"tree\": \"$tree\", \"spec\": \"$spec\", |" >>"$out/rows.jsonl" \
     || echo "{\"tree\": \"$tree\", \"spec\": \"$spec\", \"failed\": true}" >>"$out/rows.jsonl"

@@ -260,6 +260,7 @@ def check_values(cfg: JobConfig) -> None:
             "train.eval_every": t.eval_every,
             "data.tokens_per_microbatch": d.tokens_per_microbatch,
             "data.padded_length": d.padded_length,
+            "parallel.replica_bucket_mb": cfg.parallel.replica_bucket_mb,
             "data.workers": d.workers,
             "run.save_every": cfg.run.save_every,
             "run.keep_last": cfg.run.keep_last,

@@ -17,18 +17,21 @@ TP2_SP = ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2
           "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]
 
 CASES = {
-    # two microbatches: the sums wait for the step's last backward; learned buckets from step 2 on
-    "all-replicated-dp2-mb2": (2, ALL + ["--train.microbatches=2"]),
+    # two microbatches: the sums wait for the step's last backward; learned buckets from step 2 on, ~10 KiB each
+    # (the tiny model's gradients would fill one 32 MiB bucket): many sums issued while the backward runs
+    "all-replicated-dp2-mb2": (2, ALL + ["--train.microbatches=2", "--parallel.replica_bucket_mb=0.01"]),
     # replicated encoders at dp4 fanning in to an FSDP2 LLM at tp2·dp2: both kinds of reduction on the same ranks
     "encoders-replicated-dp4-fan-in-llm-fsdp-tp2": (4, ENCODERS + ["--layout.language.tp=2"]),
     # TP's DTensor shards summed over dp as plain local tensors, SP's partial norms left to TP; the LLM under cp
     "llm-replicated-tp2-sp-dp2": (4, ["--layout.language.fsdp=false"] + TP2_SP),
     "all-replicated-cp2-dp2": (4, ALL + ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),
     # autocast in the replicated modules' forwards, against the fp32 reference at bf16's tolerances
-    # bf16 sums (parallel.reduce_dtype): every bucket cast into a flat buffer and back
+    # bf16 sums (parallel.reduce_dtype): every bucket cast into a flat buffer and back; replica_bucket_mb = 0: one
+    # bucket per group, summed after the backward
     "bf16-all-replicated-dp2-bins-bf16-sums": (2, ALL + ["--train.dtype=bf16", "--train.microbatches=2",
                                                          "--data.tokens_per_microbatch=512",
-                                                         "--parallel.reduce_dtype=bf16"]),
+                                                         "--parallel.reduce_dtype=bf16",
+                                                         "--parallel.replica_bucket_mb=0"]),
 }
 
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from loom.topology import Grid
 
 # a bucket holds at least this many bytes of gradients, except the last: one all-reduce per bucket; a gradient
-# this large or larger is reduced in place, alone (no copy into a flat buffer and back)
+# this large or larger is reduced in place, alone (no copy into a flat buffer and back). parallel.replica_bucket_mb
 BUCKET_BYTES = 32 << 20
 
 
@@ -40,7 +40,8 @@ class GradientSum:
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None,
                  bucket_bytes: int = BUCKET_BYTES):
         self.params = [p for p in params if p.requires_grad]
-        self.group, self.bucket_bytes = group, bucket_bytes
+        # 0: one bucket, whole once the backward is over: no sum runs beside the backward's kernels
+        self.group, self.bucket_bytes = group, bucket_bytes or float("inf")
         self.reduce_dtype = reduce_dtype  # None: each gradient's own (bf16 halves the bytes sent)
         self.sync = False
         self.buckets: list[list[int]] | None = None  # parameter indices; built after the first synced backward
@@ -151,7 +152,8 @@ def replicate(module: nn.Module, group: dist.ProcessGroup | None, device_type: s
         module.forward = torch.autocast(device_type, dtype=torch.bfloat16)(module.forward)
 
 
-def attach_gradient_sums(model: nn.Module, reduce_dtype: torch.dtype | None = None) -> None:
+def attach_gradient_sums(model: nn.Module, reduce_dtype: torch.dtype | None = None,
+                         bucket_bytes: int = BUCKET_BYTES) -> None:
     """One GradientSum per group over the trained parameters of every module `replicate` marked with it, in the
     model's module order: modules on the same ranks share a group, and one ordered bucket list per group keeps
     the collectives on it in one order on every rank; `reduce_dtype`: what the sums are taken in (None: the
@@ -160,7 +162,7 @@ def attach_gradient_sums(model: nn.Module, reduce_dtype: torch.dtype | None = No
     for m in model.modules():
         if (group := getattr(m, "_loom_replicas", None)) is not None:
             by_group.setdefault(group, []).extend(p for p in m.parameters() if p.requires_grad)
-    model._loom_gradient_sums = [GradientSum(params, group, reduce_dtype)
+    model._loom_gradient_sums = [GradientSum(params, group, reduce_dtype, bucket_bytes)
                                  for group, params in by_group.items() if params]
 
 

@@ -111,7 +111,8 @@ def setup_parallel(model: MultimodalModel, cfg: JobConfig, device: torch.device,
         if own:
             weights.close()
     # on the parameters materialize made: the replicated modules' gradient sums, in FSDP2's reduce dtype
-    attach_gradient_sums(model, mixed_precision(cfg.train.dtype, cfg.parallel.reduce_dtype).reduce_dtype)
+    attach_gradient_sums(model, mixed_precision(cfg.train.dtype, cfg.parallel.reduce_dtype).reduce_dtype,
+                         int(cfg.parallel.replica_bucket_mb * 2**20))
     return plan
 
 
