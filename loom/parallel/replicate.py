@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # a bucket holds at least this many bytes of gradients, except the last: one all-reduce per bucket; a gradient
 # this large or larger is reduced in place, alone (no copy into a flat buffer and back). parallel.replica_bucket_mb
-BUCKET_BYTES = 32 << 20
+BUCKET_BYTES = 256 << 20
 
 
 class GradientSum:
