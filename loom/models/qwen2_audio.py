@@ -3,16 +3,15 @@ rows averaged (the tower's AvgPool1d(2, stride 2)) before the final norm.
 
 Qwen2AudioProcessor pads every clip to 30 s and the tower masks the padding as keys; the last rows of a clip still
 read the two mel frames past its end through the convolutions. So a clip here is its own frames plus those two
-(CONTEXT_FRAMES: the processor's padding, data/audio.py `padded_clip`), and only the rows the mask keeps are run.
+(CONTEXT_FRAMES: the processor's padding, data/audio.py `padded_log_mel`), and only the rows the mask keeps are run.
 """
 
 from __future__ import annotations
 
 import torch
 
+from loom.data.audio import CONTEXT_FRAMES
 from loom.models.audio import AudioEncoder
-
-CONTEXT_FRAMES = 2  # mel frames past a clip's end that conv1 and conv2 read for its last rows
 
 
 def conv_rows(frames: int) -> int:
