@@ -159,6 +159,10 @@ class AudioConfig:
     intermediate_size: int = 256  # an encoder layer's MLP width
     layer_norm_eps: float = 1e-5  # LayerNorm's epsilon
     max_positions: int = 1500  # frames after subsampling
+    # which tower: "whisper" (models/audio.py) or "qwen2_audio" (models/qwen2_audio.py: each clip two mel frames
+    # longer than its own, the processor's padding its convolutions read; output rows pooled in pairs; one-matmul
+    # projector)
+    family: str = choice("whisper", "whisper", "qwen2_audio")  # the tower's architecture
     hf: str = ""  # Hugging Face folder to load this module from; its config.json then replaces the sizes here
 
 
@@ -169,7 +173,8 @@ class ModelConfig:
 
     # the encoder modules that feed the LLM ([]: text only)
     encoders: list[str] = field(default_factory=lambda: ["vision", "audio"])
-    # a Hugging Face folder holding the whole model (LLaVA): it sets the encoders, every module's sizes and `hf`
+    # a Hugging Face folder holding the whole model (LLaVA, Qwen2-Audio): it sets the encoders, every module's sizes
+    # and `hf`
     hf: str = ""
     # a Hugging Face tokenizer folder (tokenizer.json + chat template) for data.sources; empty: loom's byte
     # tokenizer, which the built-in tasks use

@@ -6,6 +6,10 @@ dropped), power spectrum through a Slaney-scale, Slaney-normalised mel filter ba
 floored at 8 below the clip's maximum, then (x + 4) / 4. No padding to 30 s: loom packs clips of any length.
 `load_audio` decodes a file (soundfile: WAV, FLAC, OGG, …), averages its channels and resamples it to
 16 kHz (scipy's polyphase filter).
+
+Qwen2-Audio's processor pads every clip to 30 s (`padded_to` samples) before its log-mel and counts a clip's
+frames by its attention mask, ceil(samples / 160); its tower's convolutions read two frames past them. Such a clip
+is its own frames plus those two (CONTEXT_FRAMES) as that padded log-mel has them, and no longer than 30 s.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from loom.data.conversations import BadSample
 from loom.data.sample import MediaFile
 
 SAMPLE_RATE, N_FFT, HOP = 16_000, 400, 160
+CONTEXT_FRAMES = 2  # mel frames past a padded clip's end that its tower's convolutions read (models/qwen2_audio.py)
+# what a Whisper feature extractor's preprocessor_config.json must say for these features to be its own
+WHISPER_KEYS = {"sampling_rate": SAMPLE_RATE, "hop_length": HOP, "n_fft": N_FFT, "dither": 0.0, "padding_value": 0.0}
 
 
 def _hz_to_mel(f: torch.Tensor) -> torch.Tensor:
@@ -61,10 +68,11 @@ def log_mel(waveform: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
     return ((logs + 4.0) / 4.0).to(torch.float32)
 
 
-def audio_file(source: str | Path | bytes | tuple, n_mels: int, where: str = "", name: str = "") -> MediaFile:
+def audio_file(source: str | Path | bytes | tuple, n_mels: int, where: str = "", name: str = "",
+               padded_to: int = 0) -> MediaFile:
     """The clip at `source` as log-mel features — a file, its bytes, or (waveform, rate) held in a table row
     (`name` says where) — its frame count read from the header alone (the length after resampling to 16 kHz,
-    one frame per hop); decoded on `load()`."""
+    one frame per hop); decoded on `load()`. `padded_to`: the samples a processor pads it to (Qwen2-Audio's)."""
     import soundfile
 
     label = name or str(source)
@@ -78,11 +86,54 @@ def audio_file(source: str | Path | bytes | tuple, n_mels: int, where: str = "",
         frames, rate = info.frames, info.samplerate
     ratio = Fraction(SAMPLE_RATE, rate)
     samples = -(-frames * ratio.numerator // ratio.denominator)  # resample_poly's output length
-    return MediaFile(label, (n_mels, samples // HOP), functools.partial(_features, source, n_mels, where, name))
+    if not padded_to:
+        return MediaFile(label, (n_mels, samples // HOP), functools.partial(_features, source, n_mels, where, name))
+    at = f"{where + ': ' if where else ''}audio {label!r}"
+    if samples > padded_to:
+        raise BadSample(f"{at} is {samples / SAMPLE_RATE:.2f} s, longer than the {padded_to / SAMPLE_RATE:g} s the "
+                        f"model's processor pads a clip to (preprocessor_config.json n_samples = {padded_to}); cut it "
+                        f"into clips of at most that")
+    if -(-samples // HOP) < 3:
+        raise BadSample(f"{at} is {samples} samples at 16 kHz: under 3 frames of {HOP}, it gives the model no row")
+    return MediaFile(label, (n_mels, -(-samples // HOP) + CONTEXT_FRAMES),
+                     functools.partial(_padded_features, source, n_mels, where, name, padded_to))
 
 
 def _features(source, n_mels: int, where: str, name: str) -> torch.Tensor:
     return log_mel(load_audio(source, where, name), n_mels)
+
+
+def _padded_features(source, n_mels: int, where: str, name: str, padded_to: int) -> torch.Tensor:
+    return padded_log_mel(load_audio(source, where, name), n_mels, padded_to)
+
+
+def padded_log_mel(waveform: torch.Tensor, n_mels: int, padded_to: int) -> torch.Tensor:
+    """[samples] → [n_mels, ceil(samples / 160) + CONTEXT_FRAMES]: the clip's frames of the log-mel of it padded with
+    silence to `padded_to` samples (its maximum over all of them), then the two frames after them (zeros past the
+    padding, as the convolutions pad)."""
+    frames = -(-waveform.shape[0] // HOP)
+    mel = log_mel(torch.nn.functional.pad(waveform, (0, padded_to - waveform.shape[0])), n_mels)
+    return torch.nn.functional.pad(mel, (0, CONTEXT_FRAMES))[:, : frames + CONTEXT_FRAMES]
+
+
+def processor_samples(folder: str | Path, n_mels: int) -> int:
+    """The samples a whole-model folder's Whisper feature extractor pads each clip to, its preprocessor_config.json
+    checked to describe loom's features; a ValueError naming the file, the key and both values."""
+    import json
+
+    path = Path(folder) / "preprocessor_config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: loom reads the audio processor's padding and mel bins from it (save "
+                         f"the folder's processor, e.g. AutoProcessor.from_pretrained(...).save_pretrained(folder))")
+    cfg = json.loads(path.read_text())
+    kind = cfg.get("feature_extractor_type", "WhisperFeatureExtractor")
+    want = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": n_mels, **WHISPER_KEYS}
+    have = {"feature_extractor_type": kind, "feature_size": cfg.get("feature_size", 80),
+            **{k: cfg.get(k, v) for k, v in WHISPER_KEYS.items()}}
+    bad = [f"{k} = {have[k]!r} (loom's features: {v!r})" for k, v in want.items() if have[k] != v]
+    if bad:
+        raise ValueError(f"{path}: {', '.join(bad)}")
+    return int(cfg.get("n_samples", cfg.get("chunk_length", 30) * SAMPLE_RATE))
 
 
 def load_audio(source: str | Path | bytes | tuple, where: str = "", name: str = "") -> torch.Tensor:

@@ -18,6 +18,7 @@ from loom.data.sample import MediaFile, Sample, SamplePair
 class MediaRules:
     image: ImageRule
     n_mels: int  # the audio encoder's input features
+    audio_padded_to: int = 0  # the samples a whole-model folder's processor pads a clip to (Qwen2-Audio's); 0: none
 
 
 def conversation_sample(conv: Conversation, chat: ChatTokenizer, rules: MediaRules,
@@ -52,7 +53,7 @@ def media_items(conv: Conversation, rules: MediaRules, counters: dict[str, Token
         images = [tiled_file(p.source, rule, len(parts) == 1, conv.where, p.name) for p in parts]
     else:
         images = [image_file(p.source, rule, conv.where, p.name) for p in parts]
-    clips = [audio_file(p.source, rules.n_mels, conv.where, p.name) for p in conv.items("audio")]
+    clips = [audio_file(p.source, rules.n_mels, conv.where, p.name, rules.audio_padded_to) for p in conv.items("audio")]
     rows = {module: [counters[module](x) for x in items] for module, items in (("vision", images), ("audio", clips))
             if items}
     return images, clips, rows

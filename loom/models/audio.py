@@ -54,6 +54,10 @@ class AudioEncoder(nn.Module):
         return torch.zeros(self.cfg.num_features, 2, device=self.conv1.weight.device)
 
     def num_tokens(self, clip: torch.Tensor) -> int:
+        return self.conv_rows(clip)
+
+    def conv_rows(self, clip: torch.Tensor) -> int:
+        """The clip's rows after conv2 that the layers take (Whisper: all of them)."""
         return (clip.shape[-1] + 1) // 2  # conv2: kernel 3, stride 2, padding 1
 
     def forward(self, clips: list[torch.Tensor]) -> torch.Tensor:
@@ -67,7 +71,7 @@ class AudioEncoder(nn.Module):
         dtype = self.conv1.weight.dtype
         frames = _conv_frames([c.to(dtype) for c in clips], self.conv1)
         frames = _conv_frames([F.gelu(x).T for x in frames], self.conv2)
-        pieces = [self._add_positions(F.gelu(x)) for x in frames]
+        pieces = [self._add_positions(F.gelu(x[: self.conv_rows(c)])) for x, c in zip(frames, clips)]
         return torch.cat(pieces), [x.shape[0] for x in pieces]
 
     def finish(self, h: torch.Tensor, lengths: list[int]) -> torch.Tensor:

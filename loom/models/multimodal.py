@@ -15,7 +15,8 @@ from loom.model_config import AudioConfig, LLMConfig, VisionConfig
 from loom.model_config import ModelConfig  # noqa: F401 (its import path before it moved: kept for callers)
 from loom.models.audio import AudioEncoder
 from loom.models.llm import DecoderLM
-from loom.models.projector import Projector
+from loom.models.projector import LinearProjector, Projector
+from loom.models.qwen2_audio import Qwen2AudioEncoder
 from loom.models.qwen2_vision import Qwen2VisionEncoder
 from loom.models.tile_rows import TileRows
 from loom.models.vision import VisionEncoder
@@ -25,12 +26,13 @@ class ModalityEncoder(nn.Module):
     """An encoder and its projector: inputs of one modality → [tokens, llm_hidden]."""
 
     def __init__(self, encoder: nn.Module, llm_hidden: int, projector_act: str = "gelu", hidden: int = 0,
-                 tiles: TileRows | None = None) -> None:
+                 tiles: TileRows | None = None, projector: nn.Module | None = None) -> None:
         """`hidden`: the projector's width between its matmuls (0: llm_hidden; Qwen2-VL's merger: its input's);
-        `tiles`: LLaVA-OneVision's anyres images, whose tiles the encoder takes and whose rows it lays out."""
+        `tiles`: LLaVA-OneVision's anyres images, whose tiles the encoder takes and whose rows it lays out;
+        `projector`: one of another shape than the two-layer MLP (Qwen2-Audio's one matmul)."""
         super().__init__()
         self.encoder = encoder
-        self.projector = Projector(encoder.out_dim, llm_hidden, projector_act, hidden)
+        self.projector = projector or Projector(encoder.out_dim, llm_hidden, projector_act, hidden)
         self.tiles = tiles
 
     def num_tokens(self, item: torch.Tensor) -> int:
@@ -107,6 +109,10 @@ def build_model(
         hidden = tower.out_dim if qwen else 0
         tiles = TileRows(vision, language.hidden_size) if vision.grid_pinpoints else None
         encoders["vision"] = ModalityEncoder(tower, language.hidden_size, vision.projector_act, hidden, tiles)
-    if audio is not None:
+    if audio is not None and audio.family == "qwen2_audio":  # its pooled tower, one-matmul projector
+        tower = make(Qwen2AudioEncoder, audio)
+        encoders["audio"] = ModalityEncoder(tower, language.hidden_size,
+                                            projector=LinearProjector(tower.out_dim, language.hidden_size))
+    elif audio is not None:
         encoders["audio"] = ModalityEncoder(make(AudioEncoder, audio), language.hidden_size)
     return MultimodalModel(make(DecoderLM, language), encoders, placeholder_ids)

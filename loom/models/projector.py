@@ -1,5 +1,5 @@
 """Projects encoder features into the LLM's hidden size (LLaVA's two-layer MLP; Qwen2-VL's merger MLP, which keeps
-its input's width in between)."""
+its input's width in between; Qwen2-Audio's one matmul)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,14 @@ class Projector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(PROJECTOR_ACTS[self.act](self.linear_1(x)))
+
+
+class LinearProjector(nn.Module):
+    """One matmul with a bias (Qwen2-Audio's `multi_modal_projector.linear`)."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)

@@ -186,6 +186,12 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
                           f"{enc.family!r}): loom runs it data-parallel only for now (its fused qkv has no "
                           f"tensor-parallel plan, and a shard or stage would need whole 2×2 merger groups); set "
                           f"layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
+    if name == "audio" and enc.family == "qwen2_audio" and (lay.tp > 1 or lay.pp > 1):
+        raise ConfigError(f"audio: tp = {lay.tp}, pp = {lay.pp} with Qwen2-Audio's tower (model.audio.family = "
+                          f"'qwen2_audio'): loom runs it data-parallel only for now (its pooling averages a clip's "
+                          f"rows in pairs, which a sequence-parallel shard or a stage does not hold whole, and its "
+                          f"one-matmul projector has no tensor-parallel plan); set layout.audio.tp = 1 and "
+                          f"layout.audio.pp = 1 and give it dp")
     if name == "vision" and enc.grid_pinpoints and (lay.tp > 1 or lay.pp > 1):
         raise ConfigError(f"vision: tp = {lay.tp}, pp = {lay.pp} with LLaVA-OneVision's anyres tower "
                           f"(model.vision.grid_pinpoints): loom runs it data-parallel only for now (its rows are "

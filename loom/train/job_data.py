@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from loom.config import ConfigError, JobConfig
 from loom.data.anyres import Anyres
 from loom.data.anyres_images import check_processor
+from loom.data.audio import processor_samples
 from loom.data.batch import round_up
 from loom.data.chat import ChatTokenizer
 from loom.data.conversation_format import MediaRules
@@ -35,7 +36,7 @@ from loom.data.source import (
 from loom.data.tasks import TaskDataset, longest_example
 from loom.data.tokenizer import ByteTokenizer, Vocabulary
 from loom.models.hf.load import read_hf_config
-from loom.models.hf.whole import family_of
+from loom.models.hf.whole import encoder_of, family_of
 from loom.train.prescan import prescan, scan
 from loom.train.prescan_cache import PrescanCache
 
@@ -46,8 +47,10 @@ def job_tokenizer(cfg: JobConfig) -> Vocabulary:
     """The byte tokenizer for the built-in tasks, else `model.tokenizer`'s (its placeholders added if missing)."""
     if not cfg.data.sources:
         return ByteTokenizer()
-    # a whole-model folder's image placeholder is its family's (LLaVA's "<image>", Qwen2-VL's "<|image_pad|>")
-    placeholders = {"vision": family_of(read_hf_config(cfg.model.hf)).PLACEHOLDER} if cfg.model.hf else None
+    # a whole-model folder's placeholder is its family's (LLaVA's "<image>", Qwen2-VL's "<|image_pad|>", Qwen2-Audio's
+    # "<|AUDIO|>")
+    family = family_of(read_hf_config(cfg.model.hf)) if cfg.model.hf else None
+    placeholders = {encoder_of(family): family.PLACEHOLDER} if family else None
     try:
         return ChatTokenizer(cfg.model.tokenizer, placeholders)
     except (OSError, ValueError) as e:
@@ -114,12 +117,19 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
 
 def media_rules(cfg: JobConfig) -> MediaRules:
     """Images: whole patches within [data.image_min_pixels, data.image_max_pixels] (default: one patch, and
-    the encoder's position grid), normalised with the vision folder's mean and std; audio: its mel bins."""
-    v, d = cfg.model.vision, cfg.data
+    the encoder's position grid), normalised with the vision folder's mean and std; audio: its mel bins, and a
+    Qwen2-Audio folder's clips padded as its processor pads them."""
+    v, d, a = cfg.model.vision, cfg.data, cfg.model.audio
+    padded_to = 0
+    if a.family == "qwen2_audio" and a.hf:
+        try:
+            padded_to = processor_samples(a.hf, a.num_features)
+        except ValueError as e:
+            raise ConfigError(f"model.hf = {a.hf!r}: {e}") from None
     p = v.patch_size
     low, high = d.image_min_pixels or p * p, d.image_max_pixels or (v.position_grid * p) ** 2
     try:
-        image = ImageRule.of(p, low, high, v.hf or None, processor_sizes=bool(cfg.model.hf))
+        image = ImageRule.of(p, low, high, v.hf or None, processor_sizes=bool(cfg.model.hf and v.hf))
         if v.grid_pinpoints:  # LLaVA-OneVision's tiles, cut for the canvases its config.json names
             image = dataclasses.replace(image, anyres=Anyres.of(v.grid_pinpoints, v.position_grid * p,
                                                                 v.position_grid, v.max_tiles))
@@ -129,7 +139,7 @@ def media_rules(cfg: JobConfig) -> MediaRules:
         raise ConfigError(f"model.{'' if cfg.model.hf else 'vision.'}hf = {v.hf!r}: {e}") from None
     except ValueError as e:
         raise ConfigError(f"data.image_min_pixels / data.image_max_pixels: {e}") from None
-    return MediaRules(image, cfg.model.audio.num_features)
+    return MediaRules(image, a.num_features, padded_to)
 
 
 def _loaded(samples: Sequence[Sample | SamplePair], on_bad: str, bad: BadSamples) -> list[Sample]:

@@ -48,10 +48,11 @@ def initial_weights(model: MultimodalModel, cfg: JobConfig, pretrained: bool = T
             prefix = "language." if name == "language" else f"{name}.encoder."
             grown = ("embed_tokens.weight", "lm_head.weight") if name == "language" else ()  # job_data.with_vocabulary
             folders[prefix] = HFWeights(folder, module, grown)
-    if pretrained and cfg.model.hf:  # a whole-model folder holds the projector too
-        folders["vision.projector."] = HFWeights(cfg.model.hf, model.encoder("vision").projector)
-        if model.encoder("vision").tiles is not None:  # LLaVA-OneVision's image_newline
-            folders["vision.tiles."] = HFWeights(cfg.model.hf, model.encoder("vision").tiles)
+    if pretrained and cfg.model.hf:  # a whole-model folder holds the projector too (of its one encoder)
+        name = model.encoder_names[0]
+        folders[f"{name}.projector."] = HFWeights(cfg.model.hf, model.encoder(name).projector)
+        if model.encoder(name).tiles is not None:  # LLaVA-OneVision's image_newline
+            folders[f"{name}.tiles."] = HFWeights(cfg.model.hf, model.encoder(name).tiles)
     return InitialWeights(cfg.train.seed, cfg.model.language.init_std, folders)
 
 

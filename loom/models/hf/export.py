@@ -84,7 +84,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
     except ConfigError as e:
         raise HFError(f"{ckpt}/state.json: {e}") from None
     if m.hf:  # a whole-model folder's family: one folder
-        exported = ("language.", "vision.encoder.", "vision.projector.")
+        exported = ("language.", *(f"{name}." for name in m.encoders))
         return {"model": export_whole(saved.get, m, out_dir),
                 "not_exported": sorted(n for n in saved.names if not n.startswith(exported))}
     modules = {"language": ("language.", m.language)}

@@ -1,5 +1,5 @@
-"""`loom export` of a model loaded from a whole-model folder (`model.hf`: LLaVA, Qwen2-VL): one folder of the same
-family.
+"""`loom export` of a model loaded from a whole-model folder (`model.hf`: LLaVA, Qwen2-VL, Qwen2-Audio): one folder of
+the same family.
 
 The folder it came from is the template: its config.json (the LLM's vocabulary set to the trained one), its tensor
 names (transformers 4's or 5's), the tower tensors LLaVA never reads (the layers after `vision_feature_layer`,
@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loom.models.hf.whole import family_of
+from loom.models.hf.whole import encoder_of, family_of, placeholder_ids
 from loom.models.hf.errors import HFError
 from loom.models.hf.load import PICKLED_SUFFIXES, HFWeights, read_hf_config
 from loom.models.llm import LLMConfig
 from loom.models.multimodal import ModelConfig, build_model
 
 # keys a job may change without changing the architecture the folder describes
-FREE_KEYS = {"language": ("hf", "vocab_size", *LLMConfig.TRAINING_KEYS), "vision": ("hf",)}
+FREE_KEYS = {"language": ("hf", "vocab_size", *LLMConfig.TRAINING_KEYS), "vision": ("hf",), "audio": ("hf",)}
 
 
 def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
@@ -37,11 +37,14 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
                       f"--model.hf to the run that saves the checkpoint)")
     hf = read_hf_config(source)
     family = family_of(hf)
+    name = encoder_of(family)
     _check_same_architecture(hf, m, str(source))
     with torch.device("meta"):
-        model = build_model(m.language, m.vision, None, {"vision": family.image_token(hf)})
-    parts = {"language.": model.language, "vision.encoder.": model.vision.encoder,
-             "vision.projector.": model.vision.projector, "vision.tiles.": model.vision.tiles}
+        model = build_model(m.language, m.vision if name == "vision" else None, m.audio if name == "audio" else None,
+                            placeholder_ids(family, hf))
+    part = model.encoder(name)
+    parts = {"language.": model.language, f"{name}.encoder.": part.encoder, f"{name}.projector.": part.projector,
+             f"{name}.tiles.": part.tiles}
     tensors: dict[str, torch.Tensor] = {}
     unread: dict[str, torch.Tensor] = {}
     for prefix, module in ((p, m) for p, m in parts.items() if m is not None):  # tiles: an anyres model's
@@ -75,8 +78,9 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
 
 def _check_same_architecture(hf: dict, m: ModelConfig, where: str) -> None:
     """The checkpoint's modules are the ones `model.hf`'s config.json describes (but for what training changes)."""
-    folder = family_of(hf).configs(hf, where, m.hf)
-    for name, want in zip(("language", "vision"), folder):
+    family = family_of(hf)
+    folder = family.configs(hf, where, m.hf)
+    for name, want in zip(("language", encoder_of(family)), folder):
         have = getattr(m, name)
         differ = [f"{f.name} = {getattr(have, f.name)!r} (the folder's {getattr(want, f.name)!r})"
                   for f in dataclasses.fields(want)

@@ -23,23 +23,24 @@ from safetensors import safe_open
 from loom.models.audio import AudioEncoder
 from loom.models.hf.fp8 import SCALES, dequantized, weight_blocks
 from loom.models.hf.mapping import HFError, config_from_hf, kind_of
-from loom.models.hf.whole import family_of, names as family_names
+from loom.models.hf.whole import encoder_of, family_of, names as family_names, placeholder_ids
 from loom.models.hf.names import hf_name, locate, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM, LLMConfig
 from loom.models.multimodal import ModelConfig, build_model
-from loom.models.projector import Projector
+from loom.models.projector import LinearProjector, Projector
 from loom.models.qwen2_vision import Qwen2VisionEncoder
 from loom.models.tile_rows import TileRows
 from loom.models.vision import VisionEncoder
 from loom.typed_config import ConfigError
 
 MODULES = {"language": DecoderLM, "vision": VisionEncoder, "audio": AudioEncoder}
-# what a folder may fill: a whole-model folder also has a projector (and LLaVA-OneVision's image_newline), and
-# Qwen2-VL's tower is a vision module
-PARTS = {**MODULES, "projector": Projector, "qwen2_vl_vision": Qwen2VisionEncoder, "tiles": TileRows}
-KINDS = {"qwen2_vl_vision": "vision"}
+# what a folder may fill: a whole-model folder also has a projector (Qwen2-Audio's one matmul; LLaVA-OneVision's
+# image_newline), and Qwen2-VL's tower is a vision module
+PARTS = {**MODULES, "projector": Projector, "linear_projector": LinearProjector,
+         "qwen2_vl_vision": Qwen2VisionEncoder, "tiles": TileRows}
+KINDS = {"qwen2_vl_vision": "vision", "linear_projector": "projector"}
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
@@ -69,8 +70,9 @@ def config_from_folder(folder: str | Path, expect: str | None = None):
     family = family_of(hf)
     if family is not None:
         if expect is None:
-            raise HFError(f"{folder} holds a whole {family.FAMILY} model: name the module (language or vision)")
-        return family.configs(hf, str(folder), str(folder))[("language", "vision").index(expect)]
+            raise HFError(f"{folder} holds a whole {family.FAMILY} model: name the module (language or "
+                          f"{encoder_of(family)})")
+        return family.configs(hf, str(folder), str(folder))[("language", encoder_of(family)).index(expect)]
     return config_from_hf(hf, str(folder), str(folder))
 
 
@@ -257,7 +259,8 @@ def load_module(folder: str | Path, module: nn.Module, device: torch.device | st
 def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
                      ) -> nn.Module:
     """The loom module of a Hugging Face folder: built on `meta`, then filled tensor by tensor on `device`; of a
-    whole-model folder (LLaVA), the MultimodalModel, its image placeholder the folder's image token."""
+    whole-model folder (LLaVA, Qwen2-Audio), the MultimodalModel, its placeholder the folder's image or audio
+    token."""
     hf = read_hf_config(folder)
     if family_of(hf) is not None:
         return _build_whole(folder, hf, device, dtype)
@@ -272,12 +275,15 @@ def build_pretrained(folder: str | Path, device: torch.device | str = "cpu", dty
 
 def _build_whole(folder: str | Path, hf: dict, device, dtype) -> nn.Module:
     family = family_of(hf)
-    lm, vision = family.configs(hf, str(folder), str(folder))
+    name = encoder_of(family)
+    lm, encoder = family.configs(hf, str(folder), str(folder))
     with torch.device("meta"):
-        model = build_model(lm, vision, None, {"vision": family.image_token(hf)})
+        model = build_model(lm, *((encoder, None) if name == "vision" else (None, encoder)),
+                            placeholder_ids(family, hf))
     if dtype is not None:
         model.to(dtype)
-    for module in (model.language, model.vision.encoder, model.vision.projector, model.vision.tiles):
+    part = model.encoder(name)
+    for module in (model.language, part.encoder, part.projector, part.tiles):
         if module is not None:  # tiles: only an anyres model's
             load_module(folder, module, device)
     return model
@@ -312,11 +318,12 @@ def _whole_model(m: ModelConfig) -> ModelConfig:
     if family_of(hf) is None:
         raise HFError(f"model.hf = {m.hf!r}: model_type {hf.get('model_type')!r} is one module, not a whole model "
                       f"(loom loads {family_names()} there); set model.language.hf or model.<encoder>.hf instead")
-    both = [f"model.{name}.hf" for name in ("language", "vision") if getattr(m, name).hf not in ("", m.hf)]
+    encoder = encoder_of(family_of(hf))
+    both = [f"model.{name}.hf" for name in ("language", encoder) if getattr(m, name).hf not in ("", m.hf)]
     if both:
         raise HFError(f"model.hf = {m.hf!r} sets every module's folder, and {both} names another: remove one")
-    return dataclasses.replace(m, encoders=["vision"], language=dataclasses.replace(m.language, hf=m.hf),
-                               vision=dataclasses.replace(m.vision, hf=m.hf))
+    return dataclasses.replace(m, encoders=[encoder], language=dataclasses.replace(m.language, hf=m.hf),
+                               **{encoder: dataclasses.replace(getattr(m, encoder), hf=m.hf)})
 
 
 def with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
