@@ -37,5 +37,6 @@ def test_scale_sim_at_64_ranks():
         assert row["held_sizes"] == sizes, (job, row["held_sizes"])
         assert row["groups_held"] == len(sizes) and row["single_rank_groups"] == 0
         assert row["world_calls"] == len(sizes)  # rank 0 is in a set of every partition made
-        assert row["global_batch"] == {"mm2b": 2 * 64, "deepseek": 16 * 4, "mm2b-hsdp8": 2 * 64}[job]  # per replica × the LLM's dp
+        per_replica = {"mm2b": 2 * 64, "deepseek": 16 * 4, "mm2b-hsdp8": 2 * 64}
+        assert row["global_batch"] == per_replica[job]  # per replica × the LLM's dp
         assert row["plan_step_s"] > 0 and row["startup_s"] > 0
