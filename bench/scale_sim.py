@@ -16,7 +16,8 @@ calls it made and how many held groups have one rank (none: a rank alone gets a 
 Jobs: "mm2b" — the 2B multimodal workload (bench/mm_bench.py's LLM + ViT + audio encoder) in the default
 config's layout shape (vision tp2·dp, audio dp, LLM dp); "deepseek" — a DeepSeek-V3-sized LLM (61 layers of
 width 7168, MLA, 256 experts of width 2048, 8 per token, 3 dense layers) at pp16 and ep64 (ep = dp·cp where
-that is below 64: at 64 ranks dp·cp is 4), with the tiny encoders on every rank.
+that is below 64: at 64 ranks dp·cp is 4), with the tiny encoders on every rank; "mm2b-hsdp8" — mm2b with every
+module under HSDP in runs of 8 ranks (`[layout.<module>] shard = 8`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ JOBS = {
         "--model.language.n_shared_experts=1", "--model.language.tie_embeddings=false",
         "--layout.language.pp=16", "--train.microbatches=16", "--data.tokens_per_microbatch=1024"]},
 }
+# the 2B job under HSDP (`shard = 8`, parallel/hsdp.py): every module's FSDP2 over runs of 8 of its dp·cp ranks
+JOBS["mm2b-hsdp8"] = {**JOBS["mm2b"], "overrides": JOBS["mm2b"]["overrides"] + [
+    f"--layout.{m}.shard=8" for m in ("vision", "audio", "language")]}
 
 
 def job_config(job: str, world: int):

@@ -23,6 +23,9 @@ class ModuleLayoutConfig:
     # true: the module's weights sharded over its dp·cp ranks by FSDP2; false: whole on each (DDP-style: 16 bytes a
     # parameter per rank, gradients all-reduced once a step; no gathers, and CUDA graphs where nothing is sharded)
     fsdp: bool = True
+    # HSDP: FSDP2 shards the weights within runs of `shard` of its dp·cp ranks and replicates them across the
+    # dp·cp/shard runs (gradients reduce-scattered within a run, all-reduced across); 0: shard over all dp·cp
+    shard: int = 0
     # "first-last", or one rank (2 or "2"); empty: the LLM's ranks (colocated), for the LLM the whole world
     ranks: str | int = ""
     sequence_parallel: bool = False  # shard the residual stream's tokens (an encoder's packed rows) over tp

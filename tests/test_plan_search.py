@@ -255,6 +255,18 @@ def test_a_replicated_module_holds_its_state_whole_and_all_reduces_once():
     assert whole.seconds["optimizer"] == pytest.approx(4 * sharded.seconds["optimizer"])
 
 
+def test_an_hsdp_module_holds_its_state_over_its_shard_and_all_reduces_the_shards():
+    """`shard = 2` at dp4: the state of 2 ranks' shards (2× FSDP2's over 4), gathers and reduce-scatters over 2
+    ranks, and one all-reduce of each rank's gradient shard across the 2 replicas a step."""
+    cal = unit_calibration()
+    flat = module_costs(SIZES, ModuleLayout(dp=4), Settings(), 4096, [1024] * 4, 1, cal)
+    hsdp = module_costs(SIZES, ModuleLayout(dp=4), Settings(shard={SIZES.name: 2}), 4096, [1024] * 4, 1, cal)
+    assert hsdp.bytes["weights+grads+adamw"] == pytest.approx(2 * flat.bytes["weights+grads+adamw"])
+    gathers = module_costs(SIZES, ModuleLayout(dp=2), Settings(), 2048, [1024] * 2, 1, cal).seconds["fsdp"]
+    across = collective_s(cal, "all_reduce", 2, fsdp_bytes(SIZES.params, 1, 1, 4) / 2)
+    assert hsdp.seconds["fsdp"] == pytest.approx(gathers + across)
+
+
 def test_activation_checkpointing_keeps_less():
     full = activation_bytes_per_token_layer(SIZES, 1, 2, checkpointing="full")
     none = activation_bytes_per_token_layer(SIZES, 1, 2)

@@ -17,6 +17,10 @@ HELD = {
     # LLM pp16·dp4 (ep4 = dp·cp: efsdp 1, no group): its pp set (0, 4, …, 60), its dp set (0-3), its EP group
     # (0-3 again, a named group of its own), all 64 (the encoders' dp64 and the LLM grid)
     "deepseek": [4, 4, 16, 64],
+    # mm2b under HSDP (shard = 8): the same three, plus the vision grid's run of 8 along its dp (0, 2, …, 14) and that
+    # place's replicas (0, 16, 32, 48), and the run (0-7) and replicas (0, 8, …, 56) the audio and the LLM share (one
+    # layout, one shard: one pair of groups)
+    "mm2b-hsdp8": [2, 4, 8, 8, 8, 32, 64],
 }
 
 
@@ -33,5 +37,6 @@ def test_scale_sim_at_64_ranks():
         assert row["held_sizes"] == sizes, (job, row["held_sizes"])
         assert row["groups_held"] == len(sizes) and row["single_rank_groups"] == 0
         assert row["world_calls"] == len(sizes)  # rank 0 is in a set of every partition made
-        assert row["global_batch"] == {"mm2b": 2 * 64, "deepseek": 16 * 4}[job]  # per replica × the LLM's dp
+        per_replica = {"mm2b": 2 * 64, "deepseek": 16 * 4, "mm2b-hsdp8": 2 * 64}
+        assert row["global_batch"] == per_replica[job]  # per replica × the LLM's dp
         assert row["plan_step_s"] > 0 and row["startup_s"] > 0

@@ -19,7 +19,7 @@ from loom.data.conversation_format import MediaRules, conversation_sample
 from loom.data.conversations import BadSample, Conversation, ConversationFile, blend
 from loom.data.tables import TableConversations, is_table
 from loom.data.format import TokenCounter, to_sample
-from loom.data.sample import Sample, SamplePair, sequences_of
+from loom.data.sample import Example, Sample, SamplePair, sequences_of
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.tasks import TaskDataset
 from loom.data.tokenizer import ByteTokenizer
@@ -37,7 +37,13 @@ class TaskSamples:
         return len(self.tasks)
 
     def __getitem__(self, i: int) -> Sample | SamplePair:
-        example = self.tasks[i]
+        return self._sample(self.tasks[i])
+
+    def shape(self, i: int) -> tuple[SampleShape, ...]:
+        """Item i's shapes, one per sequence, from its outline (data/task_outlines.py): no image or clip drawn."""
+        return tuple(shape_of(s, self.counters) for s in sequences_of(self._sample(self.tasks.outline(i))))
+
+    def _sample(self, example: Example) -> Sample | SamplePair:
         chosen = to_sample(example, self.tok, self.counters)
         if not self.pairs:
             return chosen

@@ -287,16 +287,19 @@ class TaskDataset:
         return self.size
 
     def __getitem__(self, i: int) -> Example:
+        return self._example(i, make_example)
+
+    def outline(self, i: int) -> Example:
+        """Item i with its images and clips as meta tensors of their sizes (data/task_outlines.py): for planning."""
+        from loom.data.task_outlines import example_outline  # it reads this module's constants
+
+        return self._example(i, example_outline)
+
+    def _example(self, i: int, maker) -> Example:
         if i < 0:
             i += self.size
         if not 0 <= i < self.size:
             raise IndexError(f"index {i} out of range for a dataset of {self.size}")
         task = self.tasks[i % len(self.tasks)]
-        return make_example(
-            task,
-            self.split,
-            i // len(self.tasks),
-            seed=self.seed,
-            patch_size=self.patch_size,
-            n_audio_features=self.n_audio_features,
-        )
+        return maker(task, self.split, i // len(self.tasks), seed=self.seed, patch_size=self.patch_size,
+                     n_audio_features=self.n_audio_features)

@@ -45,7 +45,7 @@ def parallelize_encoder(name: str, encoder: nn.Module, grid: Grid | None, cfg: J
     if lay.pp > 1:
         encoder = encoder_stage(encoder, grid.coord(dist.get_rank())["pp"], lay.pp)
     if lay.tp > 1:
-        apply_encoder_tp(encoder, grid.mesh("tp", device_type=device_type), lay.sequence_parallel)
+        apply_encoder_tp(encoder, fsdp.tp_mesh(grid, device_type), lay.sequence_parallel)
     if not lay.fsdp:  # whole weights on each dp rank: its gradients summed once a step
         replicate(encoder, replica_group(grid), device_type, train.dtype)
         return encoder

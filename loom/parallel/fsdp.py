@@ -1,7 +1,7 @@
-"""FSDP2 over a module's dp group (dp×cp flattened under cp: `fsdp_mesh`): each block (or run of
-`blocks_per_unit` blocks) is its own unit, then the root. Each unit's all-gather is issued `prefetch` units
-ahead of its use, in forward and in backward, and the last unit keeps its weights from its forward to its
-backward, which follows at once.
+"""FSDP2 over a module's dp group (dp×cp flattened under cp; HSDP's runs under `shard`: `fsdp_mesh`): each
+block (or run of `blocks_per_unit` blocks) is its own unit, then the root. Each unit's all-gather is issued
+`prefetch` units ahead of its use, in forward and in backward, and the last unit keeps its weights from its
+forward to its backward, which follows at once.
 
 Gradients are *summed* over dp (divide factor 1): the loss is already divided by the global token count,
 so a mean over replicas would divide twice.
@@ -18,6 +18,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from loom.parallel.hsdp import hsdp_root
+
 if TYPE_CHECKING:
     from loom.config import ParallelConfig
     from loom.topology import Grid
@@ -29,11 +31,22 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 def fsdp_mesh(grid: Grid, device_type: str) -> DeviceMesh:
     """What FSDP2 shards a module over: its dp ranks, or under cp its dp × cp ranks as one flattened dim, so
-    parameter and optimizer memory falls with dp too (a (dp, cp) mesh would be HSDP: replicated over dp);
-    gradients are summed over all of them, and the mesh shares the tp mesh's root."""
+    parameter and optimizer memory falls with dp too; under `shard = S` (HSDP, parallel/hsdp.py) the 2-D
+    (replicate, shard) mesh over runs of S of them. Gradients are summed over all dp·cp ranks, and the mesh
+    shares `tp_mesh`'s root."""
+    if grid.layout.shard_replicas > 1:
+        return hsdp_root(grid, device_type)["replicate", "shard"]
     if grid.layout.cp > 1:
         return grid.flat_mesh("dp", "cp", device_type=device_type)
     return grid.mesh("dp", device_type=device_type)
+
+
+def tp_mesh(grid: Grid, device_type: str) -> DeviceMesh:
+    """What TP splits a module over: the tp dim of the same root as `fsdp_mesh` (FSDP2 shards TP's DTensors
+    only over a mesh of their root)."""
+    if grid.layout.shard_replicas > 1:
+        return hsdp_root(grid, device_type)["tp"]
+    return grid.mesh("tp", device_type=device_type)
 
 
 ENCODER_UNITS = 3  # an encoder's blocks, by default, in this many units: see blocks_per_unit

@@ -54,7 +54,7 @@ def parallelize_language(name: str, llm: nn.Module, grid: Grid | None, cfg: JobC
     reshard = par.reshard_after_forward and not (lay.pp > 1 and par.pp_schedule in ZERO_BUBBLE)
     for part in llm.stages if lay.pp > 1 else [llm]:
         if lay.tp > 1:
-            apply_llm_tp(part, grid.mesh("tp", device_type=device_type), lay.sequence_parallel,
+            apply_llm_tp(part, fsdp.tp_mesh(grid, device_type), lay.sequence_parallel,
                          seq_dim=0 if cfg.data.format == "thd" else 1)
         # experts split over ep and sharded over efsdp before the blocks' FSDP2, which then skips their weights
         if lay.ep > 1:

@@ -11,7 +11,9 @@ Per rank and step, each module it hosts costs
     fsdp        all-gather of the module's parameters (per dp×cp group) per microbatch — twice when resharded
                 after forward — and one reduce-scatter of the gradients per step (per microbatch: pp_grad_reduce);
                 one collective per FSDP unit (each block, and the root); a replicated module (`fsdp = false`):
-                one all-reduce of its gradients a step, its weights, gradients and AdamW state whole
+                one all-reduce of its gradients a step, its weights, gradients and AdamW state whole; under HSDP
+                (`shard = S`) the gathers and reduce-scatters over S ranks, then one all-reduce of the gradient
+                shards across the dp·cp/S replicas a step, the state divided by S
     bridge      the encoder rows into the LLM and their gradients back (colocated: a collective; p2p otherwise)
     optimizer   AdamW over the rank's fp32 shards: 28 bytes a parameter at memory bandwidth
     host        the host's launches: per layer and microbatch (plus what a TP or FSDP split adds, measured:
@@ -109,6 +111,7 @@ class Settings:
     pp_virtual_stages: int = 1
     sequence_parallel: bool = False
     replicated: frozenset[str] = frozenset()  # modules with `fsdp = false`: whole on each dp·cp rank
+    shard: dict[str, int] = field(default_factory=dict)  # HSDP: module → its `shard` (the ranks FSDP2 shards over)
 
 
 @dataclass
@@ -217,7 +220,9 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     # FSDP: dense parameters over dp×cp, experts over efsdp = dp·cp / ep
     dense, experts = m.params - m.expert_params, m.expert_params / lay.ep
     replicated = m.name in s.replicated
-    shard_group, expert_group = (1, 1) if replicated else (dp * cp, dp * cp // lay.ep)
+    shard = s.shard.get(m.name, 0)
+    hsdp = 0 < shard < dp * cp and (dp * cp) % shard == 0 and lay.ep == 1  # what load_config lets through
+    shard_group, expert_group = (1, 1) if replicated else (shard if hsdp else dp * cp, dp * cp // lay.ep)
     gathers = runs_per_step * (2 if s.reshard_after_forward else 1)
     per_unit = s.unit_blocks.get(m.name, 1)
     reduces = runs_per_step if (pp > 1 and s.pp_grad_reduce == "microbatch") else 1
@@ -227,12 +232,14 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     for calls, params, group in units:
         fsdp += gathers * collective_s(cal, "all_gather", group, fsdp_bytes(params, tp, pp, s.dtype_bytes), calls)
         fsdp += reduces * collective_s(cal, "reduce_scatter", group, fsdp_bytes(params, tp, pp, 4), calls)
+    if hsdp:  # the reduce-scattered gradient shards summed across the replicas once a step
+        fsdp += collective_s(cal, "all_reduce", dp * cp // shard, fsdp_bytes(m.params, tp, pp, 4) / shard)
     if replicated:  # nothing gathered: one all-reduce of the fp32 gradients a step (parallel/replicate.py)
         fsdp = collective_s(cal, "all_reduce", dp * cp, fsdp_bytes(m.params, tp, pp, 4)) if dp * cp > 1 else 0.0
     c.seconds["fsdp"] = fsdp
     local_params = dense / (tp * pp * shard_group) + experts / (tp * pp * expert_group)
     c.seconds["optimizer"] = ADAMW_BYTES * local_params / cal.memory_bytes_per_s
-    per_layer = cal.overhead_per_layer_s + cal.extra("tp", tp) + (0.0 if replicated else cal.extra("fsdp", dp * cp))
+    per_layer = cal.overhead_per_layer_s + cal.extra("tp", tp) + (0.0 if replicated else cal.extra("fsdp", shard_group))
     c.seconds["host"] = runs_per_step * (layers * per_layer + cal.overhead_per_microbatch_s)
     # memory
     unsharded = dense / (tp * pp) + experts / (tp * pp)

@@ -141,7 +141,9 @@ def settings_of(cfg: JobConfig, c: Candidate) -> Settings:
                     pp_schedule=cfg.parallel.pp_schedule, pp_virtual_stages=cfg.parallel.pp_virtual_stages,
                     sequence_parallel=bool(cfg.layout.language and cfg.layout.language.sequence_parallel),
                     replicated=frozenset(n for n in ("language", *cfg.model.encoders)
-                                         if (lay := getattr(cfg.layout, n)) is not None and not lay.fsdp))
+                                         if (lay := getattr(cfg.layout, n)) is not None and not lay.fsdp),
+                    shard={n: lay.shard for n in ("language", *cfg.model.encoders)
+                           if (lay := getattr(cfg.layout, n)) is not None and lay.shard})
 
 
 def validate(config: str | None, overrides: list[str], c: Candidate, facts: JobFacts) -> JobConfig:

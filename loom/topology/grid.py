@@ -32,6 +32,7 @@ class Grid:
         self.ranks = torch.arange(layout.start, layout.start + layout.size).reshape(self.shape)
         self.registry = registry
         self._root_mesh: DeviceMesh | None = None
+        self.meshes: dict[tuple, DeviceMesh] = {}  # other meshes over this grid's groups, by their builder's key
 
     @property
     def module(self) -> str:

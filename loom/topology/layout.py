@@ -28,6 +28,17 @@ class Layout:
     sequence_parallel: bool = False
     ep: int = 1  # expert parallel: not a grid dim but a view of the dp×cp ranks, ep × efsdp (parallel/experts.py)
     fsdp: bool = True  # weights sharded over dp·cp by FSDP2; false: whole on each rank (parallel/replicate.py)
+    shard: int = 0  # HSDP: FSDP2 shards within runs of this many dp·cp ranks, replicated across runs; 0: all dp·cp
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP2 shards this module's weights over: `shard`, or every dp·cp rank."""
+        return self.shard or self.dp * self.cp
+
+    @property
+    def shard_replicas(self) -> int:
+        """HSDP's replicas (runs of `shard_size` dp·cp ranks holding the same shards); 1: plain FSDP2."""
+        return self.dp * self.cp // self.shard_size
 
     @property
     def efsdp(self) -> int:
@@ -48,6 +59,7 @@ class Layout:
     def describe(self) -> str:
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         whole = " replicated" if not self.fsdp and self.dp * self.cp > 1 else ""
+        whole += f" hsdp{self.shard_replicas}x{self.shard_size}" if self.fsdp and self.shard_replicas > 1 else ""
         return f"tp{self.tp}·cp{self.cp}·pp{self.pp}·dp{self.dp}{ep}{whole} on ranks {self.start}-{self.ranks[-1]}"
 
 
@@ -134,7 +146,27 @@ def _resolve_one(name: str, mc: ModuleLayoutConfig, ranks: range) -> Layout:
     if mc.ep > 1 and name != "language":
         raise ConfigError(f"layout.{name}.ep = {mc.ep}: expert parallelism is for the LLM's experts; an encoder "
                           f"has none (valid: 1)")
-    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp, mc.sequence_parallel, mc.ep, mc.fsdp)
+    _check_shard(name, mc, dp)
+    return Layout(name, ranks.start, mc.tp, mc.cp, mc.pp, dp, mc.sequence_parallel, mc.ep, mc.fsdp, mc.shard)
+
+
+def _check_shard(name: str, mc: ModuleLayoutConfig, dp: int) -> None:
+    """layout.<module>.shard: a divisor of the module's dp·cp, under FSDP2, without experts (for now)."""
+    key, ranks = f"layout.{name}.shard = {mc.shard}", dp * mc.cp
+    if mc.shard == 0:
+        return
+    if mc.shard < 0:
+        raise ConfigError(f"{key} must be ≥ 1 (the ranks FSDP2 shards {name} over), or 0: all its dp·cp = {ranks}")
+    if ranks % mc.shard:
+        fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ConfigError(f"{key} does not divide {name}'s dp·cp = {dp}·{mc.cp} = {ranks} ranks: HSDP shards within "
+                          f"runs of `shard` of them; use one of {fits[:12]}{' …' if len(fits) > 12 else ''}")
+    if not mc.fsdp:
+        raise ConfigError(f"{key} with layout.{name}.fsdp = false: a replicated module holds its weights whole, "
+                          f"there is nothing to shard; drop shard or set fsdp = true")
+    if mc.ep > 1:
+        raise ConfigError(f"{key} with layout.{name}.ep = {mc.ep}: HSDP beside expert parallelism is not supported "
+                          f"yet; drop shard (FSDP2 over all dp·cp = {ranks}) or set ep = 1")
 
 
 def _check_placement(layouts: dict[str, Layout], world_size: int) -> None:

@@ -18,6 +18,7 @@ from loom.models.multimodal import MultimodalModel
 from loom.parallel import parallelize
 from loom.parallel.compile import compile_backend, compile_blocks
 from loom.parallel.experts import add_expert_groups
+from loom.parallel.hsdp import add_shard_groups
 from loom.parallel.fsdp import mixed_precision
 from loom.parallel.materialize import WeightSource, materialize
 from loom.parallel.replicate import attach_gradient_sums
@@ -122,6 +123,7 @@ def _rank_plan(model: MultimodalModel, cfg: JobConfig, device: torch.device, mod
     topo = Topology.build(cfg, placement)
     tied_group = tied_embedding_group(topo, cfg)  # on every rank: creating groups is a world collective
     add_expert_groups(topo)  # likewise (layout.language.ep > 1)
+    add_shard_groups(topo)  # likewise (HSDP: a module's layout.<module>.shard)
     me = topo.role()
     for name in modules:  # non-colocated: a rank keeps only the modules it hosts
         if not me.hosts(name):
