@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_vlm beside this file, however it is loaded
 import make_tiny_vlm as vlm  # noqa: E402
@@ -63,14 +62,7 @@ def clip_config(v: VisionConfig) -> dict:
 
 def write_tokenizer(folder: Path) -> tuple[int, int]:
     """make_tiny_vlm's BPE with <image> added, LLaVA's processor template beside it; (vocabulary, <image>'s id)."""
-    vlm.write_tokenizer(folder.parent, TASKS)
-    folder.mkdir(parents=True, exist_ok=True)
-    for path in (folder.parent / "tokenizer").iterdir():  # a released folder holds its tokenizer
-        path.replace(folder / path.name)
-    (folder.parent / "tokenizer").rmdir()
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
-    tok.save(str(folder / "tokenizer.json"))
+    tok = vlm.folder_tokenizer(folder, TASKS, ["<image>"])
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     return tok.get_vocab_size(with_added_tokens=True), tok.token_to_id("<image>")
 

@@ -127,6 +127,22 @@ def write_tokenizer(out: Path, task_names: list[str]) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
+def folder_tokenizer(folder: Path, task_names: list[str], added: list[str]):
+    """write_tokenizer's BPE inside a released model's `folder`, as such a folder holds its tokenizer, with the
+    family's special tokens `added`; the tokenizers.Tokenizer, saved."""
+    from tokenizers import AddedToken, Tokenizer
+
+    write_tokenizer(folder.parent, task_names)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in (folder.parent / "tokenizer").iterdir():
+        path.replace(folder / path.name)
+    (folder.parent / "tokenizer").rmdir()
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -198,7 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def folder_args(description: str, example_out: str, argv: list[str] | None) -> argparse.Namespace:
-    """The arguments of the whole-folder examples (make_tiny_llava.py, make_tiny_qwen2vl.py)."""
+    """The arguments of the whole-folder examples (make_tiny_llava.py, make_tiny_qwen2vl.py, …)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("out", type=Path, help=f"output folder (e.g. {example_out})")
     p.add_argument("--train", type=int, default=1000, help="training conversations")
@@ -209,7 +225,8 @@ def folder_args(description: str, example_out: str, argv: list[str] | None) -> a
 
 def write_splits(data: Path, task_names: list[str], args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """The train and held-out conversations (`args.train`, `args.heldout`) under `data`: each split's counts."""
-    (data / "img").mkdir(parents=True, exist_ok=True)
+    for sub in {"wav" if t == "tones" else "img" for t in task_names}:  # the tones task's clips, the others' images
+        (data / sub).mkdir(parents=True, exist_ok=True)
     return {split: write_split(data, split, n, task_names, args.seed)
             for split, n in (("train", args.train), ("heldout", args.heldout))}
 

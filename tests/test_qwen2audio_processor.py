@@ -13,7 +13,8 @@ import soundfile
 
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_chat_tokenizer  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2AudioProcessor, WhisperFeatureExtractor  # noqa: E402
+from vlm_jobs import example  # noqa: E402
+from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor  # noqa: E402
 
 from loom.data.audio import CONTEXT_FRAMES, audio_file  # noqa: E402
 from loom.data.conversations import BadSample  # noqa: E402
@@ -22,7 +23,6 @@ from loom.models.qwen2_audio import pooled_rows  # noqa: E402
 PADDED = 480_000  # 30 s at 16 kHz
 # samples at 16 kHz: 3 frames (one token), whole frames and not, odd and even frame counts, exactly 30 s
 LENGTHS = [480, 4_000, 19_745, 159_841, PADDED]
-AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 
 
 def wav_files(root, lengths: list[int]) -> list:
@@ -63,15 +63,11 @@ def test_a_clip_over_30_s_or_too_short_for_a_row_is_a_bad_sample_naming_it(tmp_p
 
 
 def qwen2audio_processor(folder) -> Qwen2AudioProcessor:
-    """Qwen2AudioProcessor of a tiny ChatML tokenizer with the audio tokens, WhisperFeatureExtractor at 128 mel bins
-    and its default chat template, saved into `folder` (as a released folder holds them)."""
+    """examples/make_tiny_qwen2audio.py's processor (the audio tokens, WhisperFeatureExtractor at 128 mel bins, its
+    default chat template) of a tiny ChatML tokenizer, saved into `folder` (as a released folder holds them)."""
     folder.mkdir(parents=True, exist_ok=True)
     tiny_chat_tokenizer(folder)
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|im_end|>")
-    tok.add_special_tokens({"additional_special_tokens": AUDIO_TOKENS})
-    processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=tok)
-    processor.save_pretrained(folder)
-    return processor
+    return example("make_tiny_qwen2audio").save_processor(folder)
 
 
 def test_a_qwen2audio_conversation_gives_qwen2audio_processors_ids(tmp_path):

@@ -1,13 +1,39 @@
-"""What the whole-folder VLM tests (LLaVA, LLaVA-OneVision, Qwen2-VL) do alike: random PNG files of given sizes,
-an example TOML trained two steps and exported, and one trainer step exported and read back by transformers."""
+"""What the whole-folder VLM tests (LLaVA, LLaVA-OneVision, Qwen2-VL, Qwen2-Audio) do alike: an examples/ script
+as a module, random PNG files of given sizes, an example TOML trained two steps and exported, and one trainer step
+exported and read back by transformers."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example(name: str):
+    """examples/NAME.py as a module: examples/ is not a package, so loaded from its file, as `python` runs it."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def made_example(name: str, root: Path) -> Path:
+    """examples/NAME.py run into `root` with 64 training and 4 held-out conversations: its model/ and data/."""
+    example(name).main([str(root), "--train", "64", "--heldout", "4"])
+    return root
+
+
+def loaded_whole(hf_class, folder: Path):
+    """`hf_class` read from `folder` with no missing, unexpected or mismatched tensor."""
+    model, info = hf_class.from_pretrained(folder, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model
 
 
 def png_files(root: Path, sizes: list[tuple[int, int]]) -> list[Path]:
@@ -47,8 +73,7 @@ def one_step_exported(trainer, hf: Path, hf_class, folder: Path) -> tuple[object
     trainer.train_step(trainer.batches.shard(0))
     trainer.checkpoint()
     assert loom.cli.main(["export", str(Path(trainer.cfg.run.out_dir) / "step-1"), "--hf", str(hf)]) == 0
-    back, info = hf_class.from_pretrained(hf, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    back = loaded_whole(hf_class, hf)
     original, exported = load_file(folder / "model.safetensors"), load_file(hf / "model.safetensors")
     assert exported.keys() == original.keys()
     return back, original, exported

@@ -89,6 +89,10 @@ class Anyres:
         r0, r1, c0, c1 = self.kept(h, w)
         return self.pooled(r1 - r0, c1 - c0) or (r1 - r0, c1 - c0)
 
+    def tower_rows(self, shape: tuple[int, ...]) -> int:
+        """Rows the tower runs for an item of TiledImage `shape`: every tile's, the base tile's included."""
+        return shape[0] * self.side**2
+
     def rows(self, shape: tuple[int, ...]) -> int:
         """LLM rows of an item of TiledImage `shape`: the base tile's, then the map with a newline per row (one
         newline alone for a base tile alone)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,24 @@ from loom.data.tokenizer import ByteTokenizer
 
 # counts how many tokens an encoder emits for one input item (image or clip)
 TokenCounter = Callable[[torch.Tensor], int]
+
+
+@dataclass(frozen=True)
+class RowCounter:
+    """An encoder's two counts of an item: the LLM rows it becomes (its placeholders: calling it counts them) and
+    the rows its tower runs, which the planner balances encoder replicas by. They differ beyond a constant factor
+    only for LLaVA-OneVision's anyres images: every tile runs through the tower, the LLM reads a cut, pooled map."""
+
+    llm: TokenCounter
+    tower: TokenCounter
+
+    def __call__(self, item) -> int:
+        return self.llm(item)
+
+
+def tower_rows(counter: TokenCounter, item) -> int:
+    """The rows `counter`'s tower runs for `item` (a plain counter: the LLM rows it counts)."""
+    return counter.tower(item) if isinstance(counter, RowCounter) else counter(item)
 
 
 def prompt_tokens(example: Example, tok: ByteTokenizer, counters: dict[str, TokenCounter]) -> list[int]:

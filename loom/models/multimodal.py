@@ -38,6 +38,10 @@ class ModalityEncoder(nn.Module):
     def num_tokens(self, item: torch.Tensor) -> int:
         return self.encoder.num_tokens(item) if self.tiles is None else self.tiles.num_tokens(item)
 
+    def tower_rows(self, item) -> int:
+        """Rows the tower runs for `item`: its LLM rows but for anyres tiles (elsewhere a constant factor apart)."""
+        return self.num_tokens(item) if self.tiles is None else self.tiles.tower_rows(item)
+
     def forward(self, items: list[torch.Tensor]) -> torch.Tensor:
         if not items:
             # No item of this modality in the batch: run one minimal input anyway and return no rows, so every

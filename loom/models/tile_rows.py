@@ -27,6 +27,9 @@ class TileRows(nn.Module):
     def num_tokens(self, item) -> int:
         return self.anyres.rows(tuple(item.shape))
 
+    def tower_rows(self, item) -> int:
+        return self.anyres.tower_rows(tuple(item.shape))
+
     def empty_input(self) -> TiledImage:
         """The smallest item: one base tile (of an image among several)."""
         t = self.anyres.tile

@@ -275,10 +275,11 @@ def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[
     BadSample it raises is noted in `failed`, as a file that fails to decode is). `shares`: module → `Share`
     (a plain (dp rank, dp size) reads its inputs); the dp rank is None for a module this rank does not host
     (non-colocated): it gets no items (no LLM batch), but the row counts, which the bridges need on both sides."""
-    rows = {n: [sum(s.item_rows(n)) for s in shapes] for n in counters}
+    rows = {n: [sum(s.item_rows(n)) for s in shapes] for n in counters}  # the LLM's: what the bridges carry
+    work = {n: [sum(s.tower_rows(n)) for s in shapes] for n in counters}  # the towers': what balancing weighs
     tokens = [round_up(len(s), multiple) for s in shapes]
     llm_rank, llm_dp, _ = Share(*shares["language"])
-    parts = split_llm(tokens, rows, llm_dp, cfg, indices)
+    parts = split_llm(tokens, work, llm_dp, cfg, indices)
     length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
     padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
@@ -299,7 +300,7 @@ def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[
         items, counts, item_rows = {}, {}, {}
         for name in counters:
             enc_rank, enc_dp, reads_inputs = Share(*shares[name])
-            enc_parts = split_encoder(llm_parts, rows[name], enc_dp)
+            enc_parts = split_encoder(llm_parts, work[name], enc_dp)
             if enc_rank is not None:
                 replica = enc_parts[enc_rank]  # this encoder replica's samples
                 # only this replica's items are decoded (a user's files: here), and only where its stage reads them
@@ -321,7 +322,7 @@ def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[
     stats = {}
     if cfg.data.tokens_per_microbatch:
         bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
-        stats = bin_stats(bins, [len(s) for s in shapes], rows, len(parts), length).as_dict()
+        stats = bin_stats(bins, [len(s) for s in shapes], work, len(parts), length).as_dict()
     targets = [s.targets for s in shapes]
     lengths = [len(s) for s in shapes]
     item_rows = {n: [r for s in shapes for r in s.item_rows(n)] for n in counters}

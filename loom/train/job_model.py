@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from loom.config import JobConfig
-from loom.data.format import TokenCounter
+from loom.data.format import RowCounter, TokenCounter
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample, SamplePair
 from loom.data.tokenizer import Vocabulary
@@ -57,7 +57,7 @@ def initial_weights(model: MultimodalModel, cfg: JobConfig, pretrained: bool = T
 
 
 def token_counters(model: MultimodalModel) -> dict[str, TokenCounter]:
-    return {n: model.encoder(n).num_tokens for n in model.encoder_names}
+    return {n: RowCounter(model.encoder(n).num_tokens, model.encoder(n).tower_rows) for n in model.encoder_names}
 
 
 def build_batches(cfg: JobConfig, data: JobData) -> GlobalBatches[Sample | SamplePair]:

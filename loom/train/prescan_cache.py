@@ -55,8 +55,8 @@ class PrescanCache:
         try:
             saved = json.loads(self.path(source).read_text())
             problems = {int(i): m for i, m in saved["problems"].items()}
-            shapes = {i: tuple(SampleShape(t, n, {e: tuple(r) for e, r in rows.items()}, frozenset(fields))
-                               for t, n, rows, fields in seqs) for i, seqs in enumerate(saved["shapes"]) if seqs}
+            shapes = {i: tuple(SampleShape(t, n, _tuples(rows), frozenset(fields), tower=_tuples(tower))
+                               for t, n, rows, fields, tower in seqs) for i, seqs in enumerate(saved["shapes"]) if seqs}
         except (OSError, ValueError, KeyError, TypeError):
             return None
         if len(problems) + len(shapes) != len(source):  # not this source's lines
@@ -66,8 +66,8 @@ class PrescanCache:
     def save(self, source: Conversations, found: Findings) -> None:
         """Written whole or not at all (another start may read it while this one writes)."""
         problems, shapes = found
-        seqs = [[[s.tokens, s.targets, s.rows, sorted(s.fields)] for s in shapes[i]] if i in shapes else None
-                for i in range(len(source))]
+        seqs = [[[s.tokens, s.targets, s.rows, sorted(s.fields), s.tower] for s in shapes[i]] if i in shapes
+                else None for i in range(len(source))]
         path = self.path(source)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
@@ -75,6 +75,10 @@ class PrescanCache:
             os.replace(tmp, path)
         except OSError:  # a read-only data folder: the next start scans again
             tmp.unlink(missing_ok=True)
+
+
+def _tuples(rows: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
+    return {e: tuple(r) for e, r in rows.items()}
 
 
 def _strings(value) -> list[str]:
