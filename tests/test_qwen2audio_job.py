@@ -1,6 +1,6 @@
 """A Qwen2-Audio folder as a job's model (`[model] hf`): a user's conversations with clips of assorted lengths,
 prepared as the folder's processor prepares them, under layouts against the one-process reference (`loom verify` on
-gloo ranks): the tower at dp4 fanning in to the LLM at tp2·dp2, and the LLM at cp2; then one step exported as a
+gloo ranks): the tower at dp4 fanning in to the LLM at tp2·dp2, the LLM at cp2 and at pp2; then one step exported as a
 `qwen2_audio` folder that transformers reads with loom's logits."""
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from test_qwen2audio_processor import qwen2audio_processor  # noqa: E402
 # (world size, overrides); the 2-rank world first (the pool keeps two worlds alive)
 LAYOUTS = {
     "llm-cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),  # audio dp2 → LLM cp2
+    # the LLM in two stages; the tower runs unpipelined on the whole step first (the three-phase step)
+    "llm-pp2": (2, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
     "audio-dp4-fan-in-llm-tp2": (4, ["--layout.audio.tp=1", "--layout.language.tp=2"]),  # dp4 → tp2 × dp2
 }
 
