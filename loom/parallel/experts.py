@@ -11,6 +11,8 @@ How tokens travel. The MoE block has sorted its tokens by (global) expert; here 
 every rank of the EP group (an even all-to-all), then the tokens by an uneven all-to-all (autograd: its
 backward is the reverse all-to-all), are regrouped by local expert (a stable sort of (local expert, source)
 keys), computed, put back in arrival order and sent home. Nothing depends on arrival timing: deterministic.
+Under compile the exchange runs eagerly and the experts compile on a row count marked unbacked: the sizes read on
+the host never reach a guard, so no routing recompiles (issue 49; tests/test_ep_recompiles.py).
 
 Gradient scale. An expert's gradient gathers every dp×cp rank's tokens: those of its EP group through the
 all-to-all's backward, those of the other groups by FSDP2's reduction over efsdp — summed, as every other
@@ -21,6 +23,7 @@ dense ones (pytorch #160285 had them 2× off); loom verify compares every expert
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -89,24 +92,62 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
+# inductor sizes kernels for an unbacked dim by a hint (8192 unless given); older torch may lack the argument
+_HAS_HINT = "hint_override" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _dispatch_compute_combine(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
                               counts: torch.Tensor) -> torch.Tensor:
-    """`x` [n, hidden] sorted by global expert, `counts` [E]: the experts' outputs in `x`'s order."""
+    """`x` [n, hidden] sorted by global expert, `counts` [E]: the experts' outputs in `x`'s order. Under compile
+    the two exchanges run eagerly and the experts compiled on a row count dynamo treats as unbacked (below)."""
+    if not experts.use_grouped(x):  # the per-expert loop reads its counts on the host: all of it eager
+        return _exchange_eagerly(group, ep, experts, x, counts)
+    return _exchange(group, ep, experts, x, counts)
+
+
+def _exchange(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
+              counts: torch.Tensor) -> torch.Tensor:
+    tokens, received, splits, back = _dispatch(group, ep, x, counts)
+    local = counts.numel() // ep
+    y = experts.compute(tokens, received.view(ep, local).sum(0),
+                        *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)))
+    return _combine(group, y, back, splits)
+
+
+_exchange_eagerly = torch.compiler.disable(_exchange)
+
+
+@torch.compiler.disable  # split sizes from the host: as ints in a compiled frame every step's values were guards
+def _dispatch(group: dist.ProcessGroup, ep: int, x: torch.Tensor,
+              counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens this rank's experts compute, grouped by local expert; `received` [ep · local] (what each source
+    sends each of my experts), the split sizes (a host tensor [send, recv] × ep) and the inverse regrouping."""
     local = counts.numel() // ep
     received = torch.empty_like(counts)  # [source rank, local expert]: what each EP rank sends to mine
     dist.all_to_all_single(received, counts, group=group)
     # the host needs the split sizes: both directions in one read (the grouped kernel reads nothing more)
-    send, recv = torch.stack([counts, received]).view(2, ep, local).sum(2).tolist()
+    splits = torch.stack([counts, received]).view(2, ep, local).sum(2).cpu()
+    send, recv = splits.tolist()
     arrived = funcol.all_to_all_single_autograd(x, recv, send, group)
     # arrival order is (source, local expert); the experts want (local expert, source): a stable sort by that key
     key = torch.arange(local, device=counts.device) * ep + torch.arange(ep, device=counts.device)[:, None]
     # output_size from the host's counts: without it repeat_interleave reads its total back (a second sync)
     order = torch.repeat_interleave(key.flatten(), received.flatten(), output_size=sum(recv)).argsort(stable=True)
-    y = experts.compute(take_rows(arrived, order), received.view(ep, local).sum(0),
-                        *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)))
     back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    tokens = take_rows(arrived, order)
+    # the compiled frame sees row counts with no value to guard on (no 0/1 case, no bound): one graph for all,
+    # sized by the rows sent (the balanced case's rows received)
+    for t in (tokens, back):
+        torch._dynamo.decorators.mark_unbacked(t, 0, **({"hint_override": x.shape[0]} if _HAS_HINT else {}))
+    return tokens, received, splits, back
+
+
+@torch.compiler.disable
+def _combine(group: dist.ProcessGroup, y: torch.Tensor, back: torch.Tensor, splits: torch.Tensor) -> torch.Tensor:
+    """The experts' outputs back in arrival order and home to their source ranks."""
+    send, recv = splits.tolist()  # a host tensor: no device sync
     return funcol.all_to_all_single_autograd(take_rows(y, back), send, recv, group)
