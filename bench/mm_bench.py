@@ -12,7 +12,8 @@ SigLIP-so400m-shaped ViT (patch 14), a small Whisper-shaped audio encoder; image
 Prints one JSON line (rank 0): real LLM tokens/s per GPU, TFLOP/s per GPU and MFU (bench/flops.py, against
 an 8192³ bf16 matmul measured in the same run), peak memory, step time, padding fraction, and `recompiles`:
 frames torch.compile compiled after the first step (0 with fixed shapes: `--set train.compile=true --set
-data.tokens_per_microbatch=SEQ`, or `--format bshd`, whose rows are fixed to the workload's longest sample).
+data.tokens_per_microbatch=SEQ`, or `--format bshd`, whose rows are fixed to the workload's longest sample);
+with experts, `expert_load`: per sparse layer, the tokens each expert received over the timed steps.
 `--comm-report` (or `--profile`) adds, from a trace of every rank's kernels over the measured steps, the share of
 the step in which only NCCL kernels ran and each rank's compute time per step (bench/profiling.py).
 `--small` shrinks everything for a CPU smoke run (CI runs it).
@@ -151,7 +152,10 @@ def main() -> None:
     inputs = [contender.inputs(step) for step in range(total + busy_steps)]  # data prepared before timing
     times, windows = [], []
     profiler = None
+    load = getattr(getattr(getattr(contender, "plan", None), "comms", None), "expert_load", None)  # MoE LLM
     for step in range(total):
+        if step == args.warmup and load is not None:
+            load.keep_totals()  # each expert's tokens over the timed steps, summed on the device
         if step == args.warmup and (args.profile or args.comm_report):
             profiler = start_profiler(gpu, full=bool(args.profile))  # every rank: comm_report gathers from each
         if step == args.warmup and timing is not None:
@@ -213,6 +217,7 @@ def main() -> None:
             "encoder_padding": getattr(contender, "encoder_padding", dict)(),  # filler rows under row budgets
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
+            "expert_load": expert_load_report(load),  # per MoE layer, the timed steps' tokens per expert
             **bubble,  # --stage-timing: each pipeline rank's bubble against (p-1)/(m+p-1)
             **busy,  # --busy: the GPU's busy fraction by CUDA events
             **comm,  # --comm-report or --profile: exposed communication and rank skew (bench/profiling.py)
@@ -228,6 +233,23 @@ def placement_of(contender) -> dict:
     if topo is None:
         return {}
     return {"placement": topo.placement.kind, "layouts": {n: g.layout.describe() for n, g in topo.grids.items()}}
+
+
+def expert_load_report(load, raw_up_to: int = 16) -> dict | None:
+    """Each sparse layer's tokens per expert over the timed steps (all ranks'; a token counts once per expert
+    it chose): `routed` their sum, `max_over_mean` and `min_over_mean` against a perfect balance, `busiest_share`
+    the busiest expert's share of `routed`, `idle` experts with none, and `counts` when there are ≤ raw_up_to."""
+    if load is None or load.totals is None:
+        return None
+    report = {}
+    for layer, c in zip(load.layers, load.totals.cpu().tolist()):  # the one host read of the counts
+        routed, mean = sum(c), sum(c) / len(c)
+        report[str(layer)] = {"routed": round(routed), "max_over_mean": _round(max(c) / mean if mean else None, 3),
+                              "min_over_mean": _round(min(c) / mean if mean else None, 3),
+                              "busiest_share": _round(max(c) / routed if routed else None, 4),
+                              "idle": sum(1 for n in c if n == 0),
+                              **({"counts": [round(n) for n in c]} if len(c) <= raw_up_to else {})}
+    return report
 
 
 def _round(x: float | None, digits: int) -> float | None:

@@ -383,3 +383,4 @@ def test_comm_report_sorts_nccl_kernels_from_compute():
         "exposed_comm_share": 0.3, "exposed_comm_share_per_rank": [0.3], "compute_s_per_step": [0.001],
         "rank_skew": 0.0}
     assert comm_report(None, step, torch.device("cpu"))["exposed_comm_share"] is None  # CPU: no trace
+

@@ -117,6 +117,33 @@ def test_grouped_gemm_equals_the_loop_with_idle_experts():
     assert a[2]["experts.gate_proj"][:2].abs().max() > 0
 
 
+@pytest.mark.parametrize("kernel", ["loop", pytest.param("grouped", marks=pytest.mark.skipif(
+    grouped_mm is None, reason="this torch has no grouped_mm"))])
+def test_experts_on_unsorted_rows_equal_the_sorted_run(kernel):
+    """`compute(x, counts, ..., back=back)` (EP's arrival order: row i belongs at back[i]) gives the sorted run's
+    outputs in x's order, and the same gradients; expert 1 idle."""
+    from loom.models.experts import Experts
+    from loom.models.row_moves import inverse, take_rows
+
+    e = Experts(4, D, 8, kernel)
+    with torch.no_grad():
+        for p in e.parameters():
+            p.normal_(0, 0.3)
+    counts, back = torch.tensor([3, 0, 5, 2]), torch.randperm(10)
+    x, g = torch.randn(10, D), torch.randn(10, D)
+    runs = []
+    for unsorted in (False, True):
+        e.zero_grad()
+        xi = x.clone().requires_grad_()
+        w = (e.gate_proj, e.up_proj, e.down_proj)
+        y = e.compute(xi, counts, *w, back=back) if unsorted else take_rows(e.compute(take_rows(xi, inverse(back)),
+                                                                                      counts, *w), back)
+        y.backward(g)
+        runs.append([y.detach(), xi.grad, *(p.grad.clone() for p in w)])
+    for a, b in zip(*runs):
+        assert (a - b).abs().max() < 1e-6
+
+
 def test_counts_skip_padding_and_recomputation():
     b = _block(RouterSpec(E, 2))
     x = torch.randn(12, D, requires_grad=True)

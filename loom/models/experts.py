@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.models.row_moves import take_rows
+from loom.models.row_moves import inverse, take_rows
 
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "grouped_mm", None)
 KERNELS = ("auto", "loop", "grouped")
@@ -48,12 +48,15 @@ class Experts(nn.Module):
         return self.compute(x, counts, self.gate_proj, self.up_proj, self.down_proj)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
-        """The experts whose weights are given (all, or expert parallelism's local ones) on their sorted tokens."""
+                down: torch.Tensor, back: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts whose weights are given (all, or expert parallelism's local ones) on tokens `x`: sorted by
+        expert, or (`back`) not, row i's place in that order back[i]. The outputs come in `x`'s order."""
         w = (gate, up, down)
         if not self.use_grouped(x):
-            return self._loop(x, counts, w)
-        return self._grouped(x.to(compute_dtype(x)), counts, w)
+            if back is None:
+                return self._loop(x, counts, w)
+            return take_rows(self._loop(take_rows(x, inverse(back)), counts, w), back)
+        return self._grouped(x.to(compute_dtype(x)), counts, w, back)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.kernel == "loop" or grouped_mm is None:
@@ -66,6 +69,7 @@ class Experts(nn.Module):
         return x.is_cuda and dtype == torch.bfloat16 and aligned
 
     @staticmethod
+    @torch.compiler.disable  # the counts read on the host: compiled, each expert's row count was a guard
     def _loop(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
         gate, up, down = (p.to(x.dtype) for p in w)
         out = []
@@ -84,10 +88,13 @@ class Experts(nn.Module):
         return torch.cat(out)
 
     @staticmethod
-    def _grouped(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _grouped(x: torch.Tensor, counts: torch.Tensor, w: tuple[torch.Tensor, ...],
+                 back: torch.Tensor | None = None) -> torch.Tensor:
         """Each group padded with zero rows (`padded_groups`): their h and outputs are exact zeros, so they add
         nothing to any gradient, and their outputs are dropped."""
         rows, dest, offsets = padded_groups(x.shape[0], counts, ROW_BYTES // x.dtype.itemsize)
+        if back is not None:  # unsorted rows straight to their padded places: sorting them costs no move of its own
+            dest = dest.index_select(0, back)
         x = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
         # FSDP2's mixed precision hands bf16 weights (`to` returns them, no copy); autocast's fp32 ones cast here
         gate, up, down = (p.to(x.dtype).transpose(-2, -1) for p in w)

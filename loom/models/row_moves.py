@@ -48,3 +48,8 @@ def spread_rows(x: torch.Tensor, order: torch.Tensor, back: torch.Tensor, k: int
     """`x[order // k]`: each of `x`'s rows k times (as rows t·k … t·k + k − 1), put in `order`, a permutation of
     those whose inverse is `back`; the backward gathers each row's k copies by `back` and sums them."""
     return _SpreadRows.apply(x, order, back, k)
+
+
+def inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation of 0 … n − 1 (a scatter of the positions)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))

@@ -7,7 +7,8 @@ microbatches (tp ranks count the same tokens, and a pipeline stage sums only its
 router with `router_bias_update_rate` γ > 0 then moves by γ·sign(mean − count): up for an underloaded expert,
 down for an overloaded one. A skipped step (non-finite gradients) moves no bias; the counts are cleared
 either way. Each sparse layer's max / mean load goes to metrics.jsonl as `expert_load/<layer>`, gathered over
-the world so rank 0 reports every stage's layers.
+the world so rank 0 reports every stage's layers; `keep_totals()` also sums every later step's counts on the
+device (bench/mm_bench.py reads them once, after its timed steps).
 """
 
 from __future__ import annotations
@@ -33,10 +34,19 @@ class ExpertLoad:
     group: dist.ProcessGroup | None = None  # the LLM's dp×cp group on an LLM rank; None: nothing to sum over
     world: bool = False  # gather every layer's load over the world (every rank calls `finish`, in one order)
 
+    # the counts summed over every step since `keep_totals()`, [layer, expert] in fp64 on the device: a reader
+    # (bench/mm_bench.py) takes them once at the end, so the steps gain no host read
+    totals: torch.Tensor | None = None
+    keeping: bool = False
+
+    def keep_totals(self) -> None:
+        """From the next step on, sum each step's counts into `totals` (from zero)."""
+        self.keeping, self.totals = True, None
+
     def finish(self, model: nn.Module, applied: bool) -> dict[str, float]:
         """After the optimizer step (`applied`: it was not skipped): the bias update and the step's load metrics."""
         blocks = hosted_blocks(model)
-        counts = torch.zeros(len(self.layers), self.num_experts)
+        counts = torch.zeros(len(self.layers), self.num_experts, device=_device(model))
         if blocks:
             mine = torch.stack([b.tokens_per_expert for b in blocks.values()])
             if self.group is not None:
@@ -51,8 +61,9 @@ class ExpertLoad:
             counts[rows] = mine.to(counts.device)
         if self.world:
             # each layer's summed counts are equal on every rank holding it and zero elsewhere
-            counts = counts.to(_device(model))
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        if self.keeping:
+            self.totals = counts.double() if self.totals is None else self.totals + counts
         return {f"expert_load/{layer}": _imbalance(c) for layer, c in zip(self.layers, counts.cpu())}
 
 
