@@ -21,6 +21,7 @@ from loom.data.tables import TableConversations, is_table
 from loom.data.format import TokenCounter, to_sample
 from loom.data.sample import Example, Sample, SamplePair, sequences_of
 from loom.data.shapes import SampleShape, shape_of
+from loom.data.task_outlines import example_outline
 from loom.data.tasks import TaskDataset
 from loom.data.tokenizer import ByteTokenizer
 
@@ -41,7 +42,8 @@ class TaskSamples:
 
     def shape(self, i: int) -> tuple[SampleShape, ...]:
         """Item i's shapes, one per sequence, from its outline (data/task_outlines.py): no image or clip drawn."""
-        return tuple(shape_of(s, self.counters) for s in sequences_of(self._sample(self.tasks.outline(i))))
+        outline = self._sample(self.tasks.example(i, example_outline))
+        return tuple(shape_of(s, self.counters) for s in sequences_of(outline))
 
     def _sample(self, example: Example) -> Sample | SamplePair:
         chosen = to_sample(example, self.tok, self.counters)

@@ -287,15 +287,11 @@ class TaskDataset:
         return self.size
 
     def __getitem__(self, i: int) -> Example:
-        return self._example(i, make_example)
+        return self.example(i, make_example)
 
-    def outline(self, i: int) -> Example:
-        """Item i with its images and clips as meta tensors of their sizes (data/task_outlines.py): for planning."""
-        from loom.data.task_outlines import example_outline  # it reads this module's constants
-
-        return self._example(i, example_outline)
-
-    def _example(self, i: int, maker) -> Example:
+    def example(self, i: int, maker=make_example) -> Example:
+        """Item i made by `maker` (make_example's signature): data/task_outlines.py's `example_outline` gives its
+        images and clips as meta tensors of their sizes, for planning."""
         if i < 0:
             i += self.size
         if not 0 <= i < self.size:
