@@ -25,12 +25,24 @@ def _job(folder, tmp_path) -> list[str]:
             "--train.global_batch_size=8"]
 
 
-def test_loom_verify_passes_for_a_llava_onevision_folder_with_the_tower_fanning_in(llava_onevision, worlds, tmp_path):
-    """The tower at dp4 on 4 gloo ranks, the LLM at tp2 · dp2: loss, gradients, grad norms and the weights after
-    each step equal the one-process reference's, image_newline's included."""
+# (world size, overrides); the 2-rank worlds first (the pool keeps two worlds alive)
+LAYOUTS = {
+    # the LLM's cp ranks each take their chunks of the tiled rows and the newline rows between them
+    "llm-cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),
+    # the LLM in two stages; the tower runs unpipelined on the whole step first (the three-phase step)
+    "llm-pp2": (2, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=1024"]),
+    # the tower at dp4 fanning in to the LLM at tp2 · dp2
+    "vision-dp4-fan-in-llm-tp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_loom_verify_passes_for_a_llava_onevision_folder_under_layouts(llava_onevision, worlds, tmp_path, name):
+    """Loss, gradients, grad norms and the weights after each step equal the one-process reference's,
+    image_newline's included."""
+    world, layout = LAYOUTS[name]
     _, folder = llava_onevision()
-    overrides = [*_job(folder, tmp_path), "--layout.vision.tp=1", "--layout.language.tp=2"]
-    per_rank = worlds.run(4, _verify, overrides, timeout=300)
+    per_rank = worlds.run(world, _verify, [*_job(folder, tmp_path), *layout], timeout=300)
     for rank, checks in enumerate(per_rank):
         assert len(checks) == 3
         for step, check in enumerate(checks):
