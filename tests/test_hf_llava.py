@@ -19,6 +19,7 @@ from transformers import LlavaForConditionalGeneration  # noqa: E402
 
 from loom.data.spans import TokenSpans  # noqa: E402
 from loom.models.hf import build_pretrained  # noqa: E402
+from oracle import assert_all_passed  # noqa: E402
 
 TOL = 1e-5
 IMAGES_PER_SAMPLE = [2, 0, 1, 3]
@@ -149,13 +150,7 @@ def test_loom_verify_passes_for_a_llava_folder_under_layouts(llava, worlds, tmp_
                  f'--data.sources=[{{path = "{data}", weight = 1.0}}]', "--data.heldout_size=2",
                  "--train.global_batch_size=8", *layout]
     per_rank = worlds.run(world, _verify_llava, overrides, timeout=300)
-    for rank, checks in enumerate(per_rank):
-        assert len(checks) == 3
-        for step, check in enumerate(checks):
-            assert check["modules"] == ["language", "vision"]
-            assert check["ref_norm"] > check["clip"], f"rank {rank} step {step + 1}: clipping not active"
-            assert check["passed"], f"rank {rank} step {step + 1}: {check['failures']}"
-        assert checks == per_rank[0]
+    assert_all_passed(name, per_rank, 3, ("language", "vision"))
 
 
 @pytest.mark.parametrize("overrides,fragments", [

@@ -9,6 +9,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_chat_tokenizer  # noqa: E402
 from test_hf_llava import _image_conversations  # noqa: E402
+from oracle import assert_all_passed  # noqa: E402
 
 
 def _verify(overrides: list[str]) -> list[dict]:
@@ -43,13 +44,7 @@ def test_loom_verify_passes_for_a_llava_onevision_folder_under_layouts(llava_one
     world, layout = LAYOUTS[name]
     _, folder = llava_onevision()
     per_rank = worlds.run(world, _verify, [*_job(folder, tmp_path), *layout], timeout=300)
-    for rank, checks in enumerate(per_rank):
-        assert len(checks) == 3
-        for step, check in enumerate(checks):
-            assert check["modules"] == ["language", "vision"]
-            assert check["ref_norm"] > check["clip"], f"rank {rank} step {step + 1}: clipping not active"
-            assert check["passed"], f"rank {rank} step {step + 1}: {check['failures']}"
-        assert checks == per_rank[0]
+    assert_all_passed(name, per_rank, 3, ("language", "vision"))
 
 
 def test_a_llava_onevision_job_exports_a_folder_transformers_reads_with_equal_logits(llava_onevision, tmp_path,

@@ -14,6 +14,7 @@ import soundfile
 transformers = pytest.importorskip("transformers")
 from qwen2audio_folders import write_qwen2audio  # noqa: E402
 from test_qwen2audio_processor import qwen2audio_processor  # noqa: E402
+from oracle import assert_all_passed  # noqa: E402
 
 # (world size, overrides); the 2-rank world first (the pool keeps two worlds alive)
 LAYOUTS = {
@@ -67,13 +68,7 @@ def _verify(overrides: list[str]) -> list[dict]:
 def test_loom_verify_passes_for_a_qwen2audio_folder_under_layouts(qwen2audio_job, worlds, name):
     world, layout = LAYOUTS[name]
     per_rank = worlds.run(world, _verify, [*qwen2audio_job, *layout], timeout=300)
-    for rank, checks in enumerate(per_rank):
-        assert len(checks) == 2
-        for step, check in enumerate(checks):
-            assert check["modules"] == ["audio", "language"]
-            assert check["ref_norm"] > check["clip"], f"rank {rank} step {step + 1}: clipping not active"
-            assert check["passed"], f"rank {rank} step {step + 1}: {check['failures']}"
-        assert checks == per_rank[0]
+    assert_all_passed(name, per_rank, 2, ("audio", "language"))
 
 
 @pytest.mark.parametrize("layout", [["--layout.audio.tp=2"],

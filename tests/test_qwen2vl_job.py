@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import tiny_chat_tokenizer  # noqa: E402
 from qwen2vl_folders import write_qwen2_5_vl, write_qwen2vl  # noqa: E402
 from test_hf_llava import _image_conversations  # noqa: E402
+from oracle import assert_all_passed  # noqa: E402
 
 # (world size, overrides); 2-rank worlds first (the pool keeps two worlds alive)
 LAYOUTS = {
@@ -58,13 +59,7 @@ def _verify(overrides: list[str]) -> list[dict]:
 def test_loom_verify_passes_for_a_qwen2vl_folder_under_layouts(qwen2vl_job, worlds, name):
     world, layout = LAYOUTS[name]
     per_rank = worlds.run(world, _verify, [*qwen2vl_job, *layout], timeout=300)
-    for rank, checks in enumerate(per_rank):
-        assert len(checks) == 2
-        for step, check in enumerate(checks):
-            assert check["modules"] == ["language", "vision"]
-            assert check["ref_norm"] > check["clip"], f"rank {rank} step {step + 1}: clipping not active"
-            assert check["passed"], f"rank {rank} step {step + 1}: {check['failures']}"
-        assert checks == per_rank[0]
+    assert_all_passed(name, per_rank, 2, ("language", "vision"))
 
 
 def test_a_qwen2vl_job_packs_three_position_streams_from_its_images_grids(qwen2vl_job):
