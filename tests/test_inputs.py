@@ -4,12 +4,14 @@ that the bridge can concatenate (fan-in) or narrow (fan-out), and the reference'
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
 
 from loom.job import load_config
 from loom.data.batch import IGNORE_INDEX, supervised_count
-from loom.train.inputs import Share, balanced_runs, collate, plan_inputs, split_encoder
+from loom.train.inputs import Share, collate, plan_inputs
+from loom.train.step_parts import Parts, split_encoder_parts
 
 
 def _cfg(*extra: str):
@@ -53,9 +55,13 @@ def test_every_sample_once_and_the_global_token_count(batch16, tiny_model, tok, 
 
 
 def test_fan_in_parts_are_contiguous_and_row_balanced():
-    rows = [5, 1, 1, 1, 1, 1, 0, 6]
-    assert balanced_runs([0, 1, 2, 3, 4, 5, 6, 7], rows, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 8 | 8 rows
-    assert balanced_runs([0, 1], rows, 4) == [[], [0], [], [1]]  # runs may be empty, order kept
+    rows = np.array([5, 1, 1, 1, 1, 1, 0, 6])
+
+    def split_encoder(llm, rows, dp):
+        return split_encoder_parts(Parts.of(llm), rows, dp).lists()
+
+    assert split_encoder([[0, 1, 2, 3, 4, 5, 6, 7]], rows, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 8 | 8 rows
+    assert split_encoder([[0, 1]], rows, 4) == [[], [0], [], [1]]  # runs may be empty, order kept
     llm = [[0, 1, 2, 3], [4, 5, 6, 7]]
     parts = split_encoder(llm, rows, 4)  # fan-in: each LLM replica's samples split over 2 encoder replicas
     assert [p for part in parts for p in part] == [0, 1, 2, 3, 4, 5, 6, 7] and len(parts) == 4
