@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import numpy as np
 import torch
 import torch.nn.functional as F
 from conftest import text_sample, tiny_job_overrides, user_data_overrides, write_user_data
@@ -20,7 +21,9 @@ from loom.data.conversations import BadSample
 from loom.data.packing import pack_samples
 from loom.job import load_config
 from loom.train.dpo import DPO
-from loom.train.inputs import StepInputs, fitting, split_llm
+from loom.train.inputs import StepInputs
+from loom.train.length_rules import fitting
+from loom.train.step_parts import split_llm_parts
 
 
 def _pairs_batch(tok, n_pairs: int):
@@ -73,7 +76,9 @@ def test_a_pair_shares_its_replica_microbatch_and_fate():
     for overrides in (["--data.tokens_per_microbatch=96", "--train.microbatches=2"], ["--train.microbatches=3"]):
         cfg = load_config("configs/tiny.toml", ["--train.objective=dpo", "--train.reference=initial",
                                                 "--train.global_batch_size=12", *overrides])
-        parts = split_llm(tokens, rows, 2, cfg, indices)
+        parts = [p.lists() for p in split_llm_parts(np.array(tokens), {n: np.array(r) for n, r in rows.items()}, 2,
+                                                    cfg.train.microbatches, cfg.data.tokens_per_microbatch,
+                                                    np.array(indices))]
         placed = sorted(p for micro in parts for replica in micro for p in replica)
         assert placed == list(range(12))
         for micro in parts:

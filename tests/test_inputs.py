@@ -4,12 +4,14 @@ that the bridge can concatenate (fan-in) or narrow (fan-out), and the reference'
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
 
 from loom.job import load_config
 from loom.data.batch import IGNORE_INDEX, supervised_count
-from loom.train.inputs import Share, balanced_runs, collate, plan_inputs, split_encoder
+from loom.train.inputs import Share, collate, plan_inputs
+from loom.train.step_parts import Parts, split_encoder_parts
 
 
 def _cfg(*extra: str):
@@ -53,9 +55,13 @@ def test_every_sample_once_and_the_global_token_count(batch16, tiny_model, tok, 
 
 
 def test_fan_in_parts_are_contiguous_and_row_balanced():
-    rows = [5, 1, 1, 1, 1, 1, 0, 6]
-    assert balanced_runs([0, 1, 2, 3, 4, 5, 6, 7], rows, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 8 | 8 rows
-    assert balanced_runs([0, 1], rows, 4) == [[], [0], [], [1]]  # runs may be empty, order kept
+    rows = np.array([5, 1, 1, 1, 1, 1, 0, 6])
+
+    def split_encoder(llm, rows, dp):
+        return split_encoder_parts(Parts.of(llm), rows, dp).lists()
+
+    assert split_encoder([[0, 1, 2, 3, 4, 5, 6, 7]], rows, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 8 | 8 rows
+    assert split_encoder([[0, 1]], rows, 4) == [[], [0], [], [1]]  # runs may be empty, order kept
     llm = [[0, 1, 2, 3], [4, 5, 6, 7]]
     parts = split_encoder(llm, rows, 4)  # fan-in: each LLM replica's samples split over 2 encoder replicas
     assert [p for part in parts for p in part] == [0, 1, 2, 3, 4, 5, 6, 7] and len(parts) == 4
@@ -98,7 +104,7 @@ def test_a_sample_longer_than_the_budget_names_its_index(batch16, tiny_model, to
 
 
 def test_too_long_samples_are_skipped_when_asked(batch16, tok):
-    from loom.train.inputs import fitting
+    from loom.train.length_rules import fitting
 
     cfg = _cfg("--data.tokens_per_microbatch=16", "--data.too_long=skip")
     kept, indices, skipped = fitting(batch16, list(range(16)), cfg, multiple=4)
@@ -147,7 +153,7 @@ def _padded_job(*extra: str):
     """The tiny job's built-in tasks, bshd: config with S resolved (sample multiple 4), counters, batches."""
     from loom.data.tokenizer import ByteTokenizer
     from loom.train.build import build_batches, build_job_model, token_counters
-    from loom.train.inputs import with_padded_length
+    from loom.train.length_rules import with_padded_length
     from loom.train.job_data import build_job_data
 
     cfg = _cfg("--data.format=bshd", "--train.global_batch_size=8", "--train.microbatches=2", *extra)
@@ -160,7 +166,7 @@ def _padded_job(*extra: str):
 
 def _padded_steps(cfg, tok, counters, batches, steps=4, dp=2):
     """Every step's microbatches on each of dp LLM replicas (encoders on the same replicas)."""
-    from loom.train.inputs import fitting
+    from loom.train.length_rules import fitting
 
     out = []
     for step in range(steps):
@@ -187,7 +193,7 @@ def test_padded_microbatches_are_rows_by_the_longest_sample_every_step():
 
 def test_padded_length_set_by_hand_and_its_errors():
     from loom.config import ConfigError
-    from loom.train.inputs import check_longest, with_padded_length
+    from loom.train.length_rules import check_longest, with_padded_length
 
     cfg, _, _, longest, _ = _padded_job("--data.padded_length=64")
     assert cfg.data.padded_length == 64

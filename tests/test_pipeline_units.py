@@ -9,6 +9,7 @@ import itertools
 import random
 
 import pytest
+import numpy as np
 import torch
 import torch.nn as nn
 from conftest import TINY_MODEL_OVERRIDES, tiny_llm_config
@@ -29,7 +30,7 @@ from loom.parallel.pipeline import (
     split_layers,
     stages_of_rank,
 )
-from loom.train.inputs import split_encoder
+from loom.train.step_parts import Parts, split_encoder_parts
 from loom.train.loss import token_loss_sum
 
 # ---------------------------------------------------------------- the split
@@ -188,7 +189,8 @@ def test_step_chunks_route_each_row_to_its_sample(enc_dp, llm_dp, zero_rows, emp
     rng = random.Random(seed * 100 + enc_dp * 10 + llm_dp)
     step, rows = _random_step(rng, llm_dp, microbatches=3, per_mb=rng.randint(3, 9), zero_rows=zero_rows,
                               empty=empty)
-    enc_step = [split_encoder(parts, rows, enc_dp) for parts in step]  # the real assignment of samples
+    # the real assignment of samples
+    enc_step = [split_encoder_parts(Parts.of(parts), np.array(rows), enc_dp).lists() for parts in step]
     counts = [ReplicaRows(encoder=[sum(rows[p] for p in ps) for ps in enc],
                           llm=[sum(rows[p] for p in ps) for ps in llm]) for enc, llm in zip(enc_step, step)]
     enc_rows = [_stream([mb[e] for mb in enc_step], rows) for e in range(enc_dp)]

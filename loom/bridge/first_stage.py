@@ -10,8 +10,8 @@ blocks do not apply; this bridge routes rows explicitly instead:
   gradients (summed over its cp group first: each cp rank inserted only its own tokens' rows) to every rank
   of the encoder replica that produced them, which then runs the encoder's backward (phase 3).
 Which encoder replica holds which LLM replica's samples is the same fan-in / fan-out / equal assignment as
-the colocated bridge (train/inputs.py `split_encoder`), microbatch after microbatch; every rank derives all
-chunks from host row counts, so one all_to_all_single moves each direction and nothing is read back.
+the colocated bridge (train/step_parts.py `split_encoder_parts`), microbatch after microbatch; every rank
+derives all chunks from host row counts, so one all_to_all_single moves each direction and nothing is read back.
 These are explicit calls, not autograd: every rank takes part in both, including ranks that consume nothing.
 """
 

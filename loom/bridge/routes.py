@@ -3,8 +3,8 @@
 
 An encoder replica's rows are replicated over its tp ranks; the LLM replica that owns their samples inserts
 them on every one of its stage-0 ranks (all cp and tp ranks). Which encoder replica holds which LLM
-replica's samples is the fan-in / fan-out / equal assignment of train/inputs.py `split_encoder`, microbatch
-after microbatch; row counts come from host data, so every rank derives every chunk.
+replica's samples is the fan-in / fan-out / equal assignment of train/step_parts.py `split_encoder_parts`,
+microbatch after microbatch; row counts come from host data, so every rank derives every chunk.
 """
 
 from __future__ import annotations

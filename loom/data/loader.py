@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter
 from loom.data.sample import sequences_of
+from loom.data.shape_arrays import ShapeArrays
 from loom.data.shapes import SampleShape, shape_of
 
 T = TypeVar("T")
@@ -76,6 +78,27 @@ class GlobalBatches(Generic[T]):
             except BadSample as e:  # the same on every rank: they all measure the same bytes
                 out.append(e)
         return out
+
+    def sequence_shapes(self, step: int, counters: dict[str, TokenCounter]
+                        ) -> tuple[ShapeArrays, np.ndarray, dict[int, str]]:
+        """The shapes of global batch `step`'s sequences as arrays (a DPO pair's two side by side), each one's
+        dataset index, and the items found bad (index → why; left out, as are the items dropped before): looked
+        up in the dataset's `table` (data/shape_table.py) where it has one, else as `shapes` finds them."""
+        table = getattr(self.dataset, "table", None)
+        if table is None:
+            found, shapes, items, bad = self.shapes(step, counters), [], [], {}
+            for i, item in zip(self.indices(step), found):
+                if isinstance(item, BadSample):
+                    bad[i] = str(item)
+                elif item is not None:
+                    shapes += item
+                    items += [i] * len(item)
+            return ShapeArrays.of(shapes, list(counters)), np.array(items, dtype=np.int64), bad
+        indices = np.array(self.indices(step), dtype=np.int64)
+        if self.dropped:
+            indices = indices[~np.isin(indices, list(self.dropped))]
+        shapes, items = table.shapes(indices)
+        return shapes, items, {}
 
     def _measured(self, step: int, i: int, counters: dict[str, TokenCounter]) -> tuple[SampleShape, ...]:
         item = self.item(step, i)

@@ -46,10 +46,3 @@ def shape_of(sample: Sample, counters: dict[str, TokenCounter]) -> SampleShape:
     return SampleShape(len(sample), supervised_count(sample), rows, frozenset(sample.token_fields), sample.where,
                        {n: r for n, r in tower.items() if r != rows[n]})
 
-
-def shape_fields(shapes: list[SampleShape]) -> set[str]:
-    """The token fields of a global batch: every sample must carry the same ones (data/batch.py field_names)."""
-    names = {s.fields for s in shapes}
-    if len(names) > 1:
-        raise ValueError(f"samples of one batch carry different token fields: {sorted(map(sorted, names))}")
-    return set(next(iter(names), ()))

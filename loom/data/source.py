@@ -20,6 +20,7 @@ from loom.data.conversations import BadSample, Conversation, ConversationFile, b
 from loom.data.tables import TableConversations, is_table
 from loom.data.format import TokenCounter, to_sample
 from loom.data.sample import Example, Sample, SamplePair, sequences_of
+from loom.data.shape_table import ShapeTable
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.task_outlines import example_outline
 from loom.data.tasks import TaskDataset
@@ -33,6 +34,7 @@ class TaskSamples:
     def __init__(self, tasks: TaskDataset, tok: ByteTokenizer, counters: dict[str, TokenCounter],
                  pairs: bool = False) -> None:
         self.tasks, self.tok, self.counters, self.pairs = tasks, tok, counters, pairs
+        self.table: ShapeTable | None = None  # every item's shapes, measured once (train/job_data.py sets it)
 
     def __len__(self) -> int:
         return len(self.tasks)

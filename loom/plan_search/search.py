@@ -24,7 +24,7 @@ from loom.parallel.fsdp import blocks_per_unit
 from loom.plan_search.workload import JobFacts
 from loom.topology import Topology
 from loom.topology.checks import sample_multiple
-from loom.train.inputs import check_longest
+from loom.train.length_rules import check_longest
 from loom.typed_config import ConfigError
 
 MICROBATCHES = (1, 2, 4, 8)

@@ -43,7 +43,8 @@ from loom.rl.rewards import all_equal, group_advantages, load_reward, reward_of
 from loom.rl.rollouts import PolicyCopy, Prompt, Rollout, sample_rollouts
 from loom.rl.score import score_samples
 from loom.train.evaluate import evaluate
-from loom.train.inputs import limit, plan_inputs
+from loom.train.inputs import plan_inputs
+from loom.train.length_rules import limit
 from loom.train.job_data import media_rules
 from loom.train.metrics import MetricsLogger
 from loom.train.trainer import Trainer

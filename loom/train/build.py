@@ -17,7 +17,7 @@ from loom.parallel.materialize import WeightSource, materialize
 from loom.checkpoint.sharded import tied_aliases
 from loom.topology.checks import sample_multiple
 from loom.topology.layout import resolve_placement
-from loom.train.inputs import check_longest, with_padded_length
+from loom.train.length_rules import check_longest, with_padded_length
 from loom.train.job_data import JobData, build_job_data, job_tokenizer, with_vocabulary
 from loom.train.job_model import (
     build_batches,

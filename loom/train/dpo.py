@@ -8,8 +8,8 @@ divided by its answer's tokens. An optional SFT term adds α · the chosen answe
 The step divides the sum over pairs by the global batch's pairs.
 
 Pairs: the data keeps a pair's two sequences side by side in one microbatch (data/sample.py `SamplePair`,
-train/inputs.py `split_llm`), chosen first, so the microbatch's sequences 2j and 2j + 1 are pair j; fillers
-(no targets) come after every real sequence and are masked by their zero token count.
+train/step_parts.py `split_llm_parts`), chosen first, so the microbatch's sequences 2j and 2j + 1 are pair j;
+fillers (no targets) come after every real sequence and are masked by their zero token count.
 
 Context parallel: each cp rank holds a part of every sequence, so its per-sequence sums are partial. They are
 added over cp with an identity backward, every cp rank then computes the whole loss, and the value counts once

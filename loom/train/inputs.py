@@ -7,8 +7,9 @@ S = `data.padded_length` tokens, so these shapes never change either. Each encod
 part of every microbatch: under fan-in (more encoder replicas than LLM replicas) a contiguous, row-balanced
 part of one LLM replica's samples; under fan-out the LLM replicas of its block, one after another. The
 bridge concatenates or narrows these row runs, so it only needs each replica's row count, which every rank
-computes here. All of it is planned from the samples' shapes (data/shapes.py); a rank renders and decodes only
-the samples its LLM replica and encoder replicas take (`plan_shapes`).
+computes here. All of it is planned from the samples' shapes (data/shapes.py), as arrays (data/shape_arrays.py,
+the placement train/step_parts.py); a rank renders and decodes only the samples its LLM replica and encoder
+replicas take (`plan_shapes`).
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from loom.bridge.replica_rows import ReplicaRows
-from loom.config import ConfigError, JobConfig
+from loom.config import JobConfig
 from loom.data.batch import Batch, pad_samples, round_up, supervised_sequences
-from loom.data.bins import assign_bins, bin_stats
+from loom.data.bins import bin_stats
 from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
 from loom.data.mrope import with_mrope_positions
 from loom.data.conversations import BadSample
 from loom.data.sample import Sample, decoded
-from loom.data.shapes import SampleShape, shape_fields, shape_of
+from loom.data.shape_arrays import ShapeArrays
+from loom.data.shapes import SampleShape, shape_of
 from loom.data.tokenizer import Vocabulary
+from loom.train.length_rules import limit
+from loom.train.step_parts import rounded, split_encoder_parts, split_llm_parts
 from loom.data.spans import FILLER_PIECES, TokenSpans
 
 COMPILED_TOKEN_MULTIPLE = 64
@@ -133,132 +138,6 @@ def with_streams(sample: Sample, cfg: JobConfig, tok: Vocabulary) -> Sample:
     return with_mrope_positions(sample, tok.placeholder_ids["vision"], v.patch_size, v.merge_size)
 
 
-def limit(cfg: JobConfig) -> tuple[str, int]:
-    """The key and value that bound one sample's padded length: T packed, S padded (0: no bound)."""
-    if cfg.data.format == "thd":
-        return "data.tokens_per_microbatch", cfg.data.tokens_per_microbatch
-    return "data.padded_length", cfg.data.padded_length
-
-
-def with_padded_length(cfg: JobConfig, longest: dict[str, int], multiple: int) -> JobConfig:
-    """Padded (bshd) batches: `cfg` with data.padded_length = S checked against the sample multiple, or,
-    when 0, set to the data's longest sample rounded up to it (`longest`: source → its longest sample)."""
-    if cfg.data.format != "bshd":
-        return cfg
-    s = cfg.data.padded_length
-    if s % multiple:
-        raise ConfigError(
-            f"data.padded_length = {s} is not a multiple of {multiple}, the sample multiple of this layout (2·cp, "
-            f"·tp under sequence parallel, and data.pad_to_multiple); use {s // multiple * multiple or multiple} or "
-            f"{(s // multiple + 1) * multiple}, or 0 for the longest sample")
-    s = s or round_up(max(longest.values()), multiple)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, padded_length=s))
-
-
-def fitting(samples: list[Sample] | list[SampleShape], indices: list[int], cfg: JobConfig, multiple: int,
-            named: Callable[[int], str] | None = None) -> tuple[list, list[int], int]:
-    """With data.too_long = "skip": the samples (or their shapes) whose padded length fits a microbatch (T packed,
-    S padded) — a DPO pair's two together, as they share one — their dataset indices, and how many were dropped
-    (the reference drops the same ones). Otherwise all, or a BadSample naming the first that does not fit
-    (`named`: dataset index → its file:line, for samples that do not say)."""
-    key, budget = limit(cfg)
-    if not budget:
-        return samples, indices, 0
-    together = cfg.data.format == "thd"  # packed: a pair's two sequences share T; padded: each its own row
-
-    def need(group: list[int]) -> int:
-        padded = [round_up(len(samples[p]), multiple) for p in group]
-        return sum(padded) if together else max(padded)
-
-    groups = item_groups(indices)
-    if cfg.data.too_long != "skip":  # the built-in tasks' longest was checked up front; a user's shows here
-        for group in groups:
-            if need(group) > budget:
-                s, index = samples[group[0]], indices[group[0]]
-                where = s.where or (named(index) if named else f"sample {index} of the dataset")
-                if len(group) == 1 or not together:
-                    long = max(group, key=lambda p: len(samples[p]))
-                    raise BadSample(f"{where}: {len(samples[long])} tokens (padded to a multiple of {multiple}: "
-                                    f"{round_up(len(samples[long]), multiple)}) exceed {key} = {budget}; raise it, or "
-                                    f"set data.too_long = \"skip\" to drop such samples")
-                sizes = " + ".join(str(round_up(len(samples[p]), multiple)) for p in group)
-                raise BadSample(f"{where}: the DPO pair's answers need {sizes} = {need(group)} tokens together "
-                                f"(each padded to a multiple of {multiple}; a pair shares a microbatch), more than "
-                                f"{key} = {budget}; raise it, or set data.too_long = \"skip\" to drop such pairs")
-        return samples, indices, 0
-    keep = [p for group in groups if need(group) <= budget for p in group]
-    return [samples[p] for p in keep], [indices[p] for p in keep], len(samples) - len(keep)
-
-
-def item_groups(indices: list[int]) -> list[list[int]]:
-    """Positions of a global batch grouped by the dataset item they came from: a DPO pair's two sequences carry
-    their item's index side by side (train/step_data.py `draw`); every other sample is a group of its own."""
-    groups: list[list[int]] = []
-    for p, index in enumerate(indices):
-        if groups and indices[groups[-1][0]] == index:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    return groups
-
-
-def check_longest(cfg: JobConfig, longest: dict[str, int], multiple: int) -> None:
-    """Before training: a data source whose longest sample (padded) exceeds the limit (T packed, S padded) is
-    an error now, unless data.too_long = "skip" — not at the step that draws it. `longest`: source → its
-    longest sample."""
-    key, budget = limit(cfg)
-    if not budget or cfg.data.too_long == "skip":
-        return
-    for source, n in longest.items():
-        if round_up(n, multiple) > budget:
-            raise ConfigError(
-                f"{key} = {budget}, but {source} samples reach {n} tokens (padded to a multiple of {multiple}: "
-                f"{round_up(n, multiple)}); raise {key} to at least {round_up(n, multiple)}, or set "
-                f"data.too_long = \"skip\" to drop such samples")
-
-
-def split_llm(tokens: list[int], rows: dict[str, list[int]], dp: int, cfg: JobConfig, indices: list[int]
-              ) -> list[list[list[int]]]:
-    """[microbatch][LLM replica] → global-batch positions, ascending. The items of the global batch are what is
-    placed — a DPO pair's two sequences together (`item_groups`), so they share a replica and a microbatch."""
-    m, budget = cfg.train.microbatches, cfg.data.tokens_per_microbatch
-    groups = item_groups(indices)
-    if budget:
-        item_tokens = [sum(tokens[p] for p in g) for g in groups]
-        item_rows = {n: [sum(r[p] for p in g) for g in groups] for n, r in rows.items()}
-        bins = assign_bins(item_tokens, item_rows, dp, m, budget, [indices[g[0]] for g in groups])
-        bins = [[p for item in b for p in groups[item]] for b in bins]
-        return [[bins[r * m + k] for r in range(dp)] for k in range(m)]
-    # equal contiguous shares (validated: the global batch divides into dp · M); after skips, nearly equal
-    n = dp * m
-    bounds = [j * len(groups) // n for j in range(n + 1)]
-    share = [[p for g in groups[bounds[j]:bounds[j + 1]] for p in g] for j in range(n)]
-    return [[share[r * m + k] for r in range(dp)] for k in range(m)]
-
-
-def split_encoder(llm_parts: list[list[int]], rows: list[int], dp: int) -> list[list[int]]:
-    """One microbatch's positions per encoder replica, from the LLM replicas' (see the module docstring)."""
-    llm_dp = len(llm_parts)
-    if dp == llm_dp:
-        return llm_parts
-    if dp < llm_dp:  # fan-out: an encoder replica serves k consecutive LLM replicas
-        k = llm_dp // dp
-        return [[p for r in range(e * k, (e + 1) * k) for p in llm_parts[r]] for e in range(dp)]
-    k = dp // llm_dp  # fan-in: k encoder replicas share one LLM replica's samples, contiguously
-    return [part for positions in llm_parts for part in balanced_runs(positions, rows, k)]
-
-
-def balanced_runs(positions: list[int], rows: list[int], k: int) -> list[list[int]]:
-    """`positions` cut into k contiguous runs of nearly equal rows (a run may be empty): each sample goes to
-    the run its rows' midpoint falls in; without rows, by count."""
-    total, runs, acc = sum(rows[p] for p in positions), [[] for _ in range(k)], 0
-    for i, p in enumerate(positions):
-        run = int(k * (acc + rows[p] / 2) / total) if total else i * k // len(positions)
-        runs[min(run, k - 1)].append(p)
-        acc += rows[p]
-    return runs
-
-
 def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: Vocabulary,
                 counters: dict[str, TokenCounter], shares: dict[str, Share], multiple: int,
                 device: torch.device) -> StepInputs:
@@ -267,19 +146,23 @@ def plan_inputs(samples: list[Sample], indices: list[int], cfg: JobConfig, tok: 
     return plan_shapes(shapes, indices, samples.__getitem__, cfg, tok, counters, shares, multiple, device)
 
 
-def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[[int], Sample], cfg: JobConfig,
-                tok: Vocabulary, counters: dict[str, TokenCounter], shares: dict[str, Share], multiple: int,
-                device: torch.device) -> StepInputs:
+def plan_shapes(shapes: ShapeArrays | list[SampleShape], indices: list[int] | np.ndarray,
+                render: Callable[[int], Sample], cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCounter],
+                shares: dict[str, Share], multiple: int, device: torch.device) -> StepInputs:
     """This rank's microbatches of a global batch planned from its samples' `shapes` alone; `render(p)`: the
     sample at position p, asked only for the positions this rank's LLM replica and encoder replicas take (a
     BadSample it raises is noted in `failed`, as a file that fails to decode is). `shares`: module → `Share`
     (a plain (dp rank, dp size) reads its inputs); the dp rank is None for a module this rank does not host
-    (non-colocated): it gets no items (no LLM batch), but the row counts, which the bridges need on both sides."""
-    rows = {n: [sum(s.item_rows(n)) for s in shapes] for n in counters}  # the LLM's: what the bridges carry
-    work = {n: [sum(s.tower_rows(n)) for s in shapes] for n in counters}  # the towers': what balancing weighs
-    tokens = [round_up(len(s), multiple) for s in shapes]
+    (non-colocated): it gets no items (no LLM batch), but the row counts, which the bridges need on both sides.
+    The placement is train/step_parts.py's, over arrays: no Python loop over the global batch's samples."""
+    if not isinstance(shapes, ShapeArrays):
+        shapes = ShapeArrays.of(shapes, list(counters))
+    indices = np.asarray(indices, dtype=np.int64)
+    rows = {n: shapes.row_sums(n) for n in counters}  # the LLM's: what the bridges carry
+    work = {n: shapes.tower_sums(n) for n in counters}  # the towers': what balancing weighs
     llm_rank, llm_dp, _ = Share(*shares["language"])
-    parts = split_llm(tokens, work, llm_dp, cfg, indices)
+    parts = split_llm_parts(rounded(shapes.tokens, multiple), work, llm_dp, cfg.train.microbatches,
+                            cfg.data.tokens_per_microbatch, indices)
     length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
     padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
@@ -293,22 +176,21 @@ def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[
                 failed[p], rendered[p] = str(e), None
         return rendered[p]
 
-    fields = shape_fields(shapes)  # the global batch's token fields: every microbatch carries them
+    fields = shapes.batch_fields()  # the global batch's token fields: every microbatch carries them
     for llm_parts in parts:
-        mine = llm_parts[llm_rank] if llm_rank is not None else []
-        real += sum(len(shapes[p]) for p in mine)
+        mine = llm_parts.run(llm_rank) if llm_rank is not None else []
+        real += int(shapes.tokens[mine].sum())
         items, counts, item_rows = {}, {}, {}
         for name in counters:
             enc_rank, enc_dp, reads_inputs = Share(*shares[name])
-            enc_parts = split_encoder(llm_parts, work[name], enc_dp)
+            enc_parts = split_encoder_parts(llm_parts, work[name], enc_dp)
             if enc_rank is not None:
-                replica = enc_parts[enc_rank]  # this encoder replica's samples
+                replica = enc_parts.run(enc_rank)  # this encoder replica's samples
                 # only this replica's items are decoded (a user's files: here), and only where its stage reads them
                 decoded = [x for p in replica for x in _decode(sample(p), p, name, failed)] if reads_inputs else []
                 items[name] = [x.to(device) for x in decoded]
-                item_rows[name] = [r for p in replica for r in shapes[p].item_rows(name)]
-            counts[name] = ReplicaRows([sum(rows[name][p] for p in ps) for ps in enc_parts],
-                                       [sum(rows[name][p] for p in ps) for ps in llm_parts])
+                item_rows[name] = [r for p in replica for r in shapes.item_rows(p, name)]
+            counts[name] = ReplicaRows(enc_parts.sums(rows[name]), llm_parts.sums(rows[name]))
         llm = None
         if llm_rank is not None:
             # the LLM's part goes without media: the encoders' parts above carry them
@@ -321,14 +203,13 @@ def plan_shapes(shapes: list[SampleShape], indices: list[int], render: Callable[
         micro.append(StepBatch(llm, items, counts, item_rows))
     stats = {}
     if cfg.data.tokens_per_microbatch:
-        bins = [parts[k][r] for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
-        stats = bin_stats(bins, [len(s) for s in shapes], work, len(parts), length).as_dict()
-    targets = [s.targets for s in shapes]
-    lengths = [len(s) for s in shapes]
-    item_rows = {n: [r for s in shapes for r in s.item_rows(n)] for n in counters}
-    return StepInputs(micro, sum(targets), real, stats, sum(lengths),
-                      {indices[p]: message for p, message in failed.items()}, list(indices),
-                      sequences=sum(n > 0 for n in targets), lengths=lengths, item_rows=item_rows)
+        bins = [parts[k].run(r) for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
+        stats = bin_stats(bins, shapes.tokens.tolist(), {n: r.tolist() for n, r in work.items()}, len(parts),
+                          length).as_dict()
+    return StepInputs(micro, int(shapes.targets.sum()), real, stats, int(shapes.tokens.sum()),
+                      {int(indices[p]): message for p, message in failed.items()}, indices.tolist(),
+                      sequences=int((shapes.targets > 0).sum()), lengths=shapes.tokens.tolist(),
+                      item_rows={n: shapes.rows[n].tolist() for n in counters})
 
 
 def _decode(sample: Sample | None, p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:

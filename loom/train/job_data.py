@@ -24,6 +24,7 @@ from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter, to_sample
 from loom.data.images import ImageRule, PreprocessorConfigError
 from loom.data.sample import Sample, SamplePair, decoded, sequences_of
+from loom.data.shape_table import measured_table
 from loom.data.source import (
     BadSamples,
     ChatRules,
@@ -90,8 +91,10 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
         heldout = TaskSamples(TaskDataset(d.tasks, "heldout", d.heldout_size, seed=d.seed, **sizes), tok, counters)
         longest = {f"task {t!r}": len(to_sample(longest_example(t, **sizes), tok, counters)) for t in d.tasks}
         pairs = cfg.train.objective == "dpo"
-        return JobData(tok, TaskSamples(train, tok, counters, pairs), [heldout[i] for i in range(len(heldout))],
-                       longest)
+        samples = TaskSamples(train, tok, counters, pairs)
+        # each item's shape measured once (split over the ranks), so a step looks its samples up
+        samples.table = measured_table(len(samples), 2 if pairs else 1, list(counters), samples.shape)
+        return JobData(tok, samples, [heldout[i] for i in range(len(heldout))], longest)
     bad = BadSamples()
     weights = [s.weight for s in d.sources]
     rules = ChatRules(tok, media_rules(cfg), d.train_on)

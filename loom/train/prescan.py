@@ -19,7 +19,7 @@ from loom.data.format import TokenCounter
 from loom.data.sample import sequences_of
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.source import ChatRules, rules_sample
-from loom.train.inputs import fitting
+from loom.train.length_rules import fitting
 from loom.train.prescan_cache import Findings, PrescanCache
 
 Check = Callable[[Conversation, str], tuple[SampleShape, ...]]

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
@@ -30,19 +31,21 @@ from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample, SamplePair, sequences_of
-from loom.data.shapes import SampleShape, shape_of
+from loom.data.shape_arrays import ShapeArrays
+from loom.data.shapes import shape_of
 from loom.data.source import BadSamples
 from loom.data.tokenizer import Vocabulary
 from loom.train.build import RankPlan
-from loom.train.inputs import StepInputs, fitting, plan_shapes
+from loom.train.inputs import StepInputs, plan_shapes
+from loom.train.step_parts import fitting_arrays
 
 
 @dataclass
 class Drawn:
     """Global batch s as every layout and the reference train on it: its samples' shapes (nothing rendered)."""
 
-    shapes: list[SampleShape]
-    indices: list[int]  # their dataset indices (a DPO pair's two sequences side by side, both with its index)
+    shapes: ShapeArrays
+    indices: np.ndarray  # their dataset indices (a DPO pair's two sequences side by side, both with its index)
     too_long: int  # left out by data.too_long = "skip"
     bad: dict[int, str]  # dataset index → why: found bad when measured (the same on every rank), left out
 
@@ -56,13 +59,12 @@ class Drawn:
 
 def draw(batches: GlobalBatches[Sample | SamplePair], step: int, cfg: JobConfig, counters: dict[str, TokenCounter],
          multiple: int) -> Drawn:
-    """The global batch's items as shapes, a DPO pair as its two sequences side by side (both with its index)."""
-    indices, found = batches.indices(step), batches.shapes(step, counters)
-    bad = {i: str(s) for s, i in zip(found, indices) if isinstance(s, BadSample)}
-    good = [(s, i) for item, i in zip(found, indices) if isinstance(item, tuple) for s in item]
-    if not good:
+    """The global batch's items as shapes, a DPO pair as its two sequences side by side (both with its index):
+    looked up in arrays (a dataset's shape table), planned over arrays (train/step_parts.py)."""
+    shapes, indices, bad = batches.sequence_shapes(step, counters)
+    if not len(shapes):
         raise BadSample(f"step {step + 1}: every sample of the global batch is bad; nothing is left to train on")
-    shapes, kept, too_long = fitting([s for s, _ in good], [i for _, i in good], cfg, multiple, named(batches))
+    shapes, kept, too_long = fitting_arrays(shapes, indices, cfg, multiple, named(batches))
     return Drawn(shapes, kept, too_long, bad)
 
 
@@ -77,13 +79,14 @@ def rendered(batches: GlobalBatches[Sample | SamplePair], step: int, drawn: Draw
     have the shape it was planned with; a BadSample names its line when it is not (its file changed since the
     prescan) or no longer renders."""
     def render(p: int) -> Sample:
-        item = batches.item(step, drawn.indices[p])
+        index = int(drawn.indices[p])
+        item = batches.item(step, index)
         if isinstance(item, BadSample):
             raise item
         sample = sequences_of(item)[drawn.sequence(p)]
-        planned, shape = drawn.shapes[p], shape_of(sample, counters)
+        planned, shape = drawn.shapes.shape(p), shape_of(sample, counters)
         if not shape.same_as(planned):
-            where = planned.where or named(batches)(drawn.indices[p])
+            where = planned.where or named(batches)(index)
             raise BadSample(f"{where}: renders to {shape.tokens} tokens and rows {shape.rows}, but measured "
                             f"{planned.tokens} and {planned.rows} at start-up: did its file change since?")
         return sample

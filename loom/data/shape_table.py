@@ -1,0 +1,110 @@
+"""A dataset's items' shapes in numpy arrays, each item measured once per run, so planning a step looks its samples
+up by index instead of measuring them (a built-in task's outline costs ~75 µs a sample: at 8,192 ranks a global
+batch of 16,384 samples took 1.2 s a step on every rank; bench/RESULTS.md, issue 50).
+
+A shape depends only on the item's index (the dataset is seeded), never on the step. In a world of several ranks
+`measured_table` splits the items over the ranks as the prescan splits a user's lines (train/prescan.py): each
+measures every world-th item, one all_gather_object over a gloo group combines them, so start-up costs
+data.train_size / world measurements a rank. On one process the table fills as steps draw items (the same
+measurements, spread over the first epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch.distributed as dist
+
+from loom.data.shape_arrays import ShapeArrays
+from loom.data.shapes import SampleShape
+
+Measure = Callable[[int], tuple[SampleShape, ...]]  # item index → its shapes, one per sequence
+
+
+class ShapeTable:
+    """Item i's `sequences` shapes at rows i·sequences … of the arrays; an item not measured yet is measured when
+    asked for (`known`)."""
+
+    def __init__(self, size: int, sequences: int, encoders: Sequence[str], measure: Measure) -> None:
+        self.size, self.sequences, self.encoders, self.measure = size, sequences, list(encoders), measure
+        n = size * sequences
+        self.known = np.zeros(size, dtype=bool)
+        self.tokens, self.targets = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self.counts = {e: np.zeros(n, np.int64) for e in self.encoders}  # items per sequence
+        self.rows = {e: np.zeros((n, 1), np.int64) for e in self.encoders}  # their rows, padded to the most items
+        self.field_set, self.fields = np.zeros(n, np.int64), {}  # field set → its code
+
+    def put(self, items: np.ndarray, shapes: ShapeArrays) -> None:
+        """Items `items`' shapes, `sequences` of them per item in item order, into the table."""
+        items = np.asarray(items, dtype=np.int64)
+        k = self.sequences
+        if len(shapes) != len(items) * k:
+            raise ValueError(f"{len(shapes)} shapes for {len(items)} items of {k} sequences each")
+        seqs = (items[:, None] * k + np.arange(k)).reshape(-1)
+        self.tokens[seqs], self.targets[seqs] = shapes.tokens, shapes.targets
+        codes = np.array([self.fields.setdefault(f, len(self.fields)) for f in shapes.fields], np.int64)
+        self.field_set[seqs] = codes[shapes.field_set] if len(codes) else 0
+        for e in self.encoders:
+            counts = np.diff(shapes.offsets[e])
+            most = int(counts.max(initial=0))
+            if most > self.rows[e].shape[1]:  # more items to a sample than any before: widen
+                wider = np.zeros((len(self.tokens), most), np.int64)
+                wider[:, :self.rows[e].shape[1]] = self.rows[e]
+                self.rows[e] = wider
+            self.counts[e][seqs] = counts
+            self.rows[e][seqs] = 0
+            # each item's cell: its sample's row, its rank among that sample's items
+            column = np.arange(len(shapes.rows[e])) - np.repeat(shapes.offsets[e][:-1], counts)
+            self.rows[e][np.repeat(seqs, counts), column] = shapes.rows[e]
+        self.known[items] = True
+
+    def measured(self, items: list[int]) -> ShapeArrays:
+        """Items `items` measured now, as arrays (one after another, their sequences side by side)."""
+        return ShapeArrays.of([s for i in items for s in self.measure(i)], self.encoders)
+
+    def shapes(self, indices: np.ndarray) -> tuple[ShapeArrays, np.ndarray]:
+        """The sequences of items `indices` (a pair's two side by side) as arrays, and each one's item index."""
+        indices = np.asarray(indices, dtype=np.int64)
+        unknown = np.unique(indices[~self.known[indices]])
+        if len(unknown):
+            self.put(unknown, self.measured(unknown.tolist()))
+        k = self.sequences
+        seqs = (indices[:, None] * k + np.arange(k)).reshape(-1)
+        offsets, rows = {}, {}
+        for e in self.encoders:
+            counts = self.counts[e][seqs]
+            offsets[e] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            table = self.rows[e][seqs]
+            rows[e] = table[np.arange(table.shape[1]) < counts[:, None]]  # row-major: sample after sample
+        fields = tuple(self.fields)
+        return (ShapeArrays(self.tokens[seqs], self.targets[seqs], offsets, rows, fields, self.field_set[seqs]),
+                np.repeat(indices, k))
+
+    def share(self, rank: int, world: int) -> tuple[np.ndarray, ShapeArrays]:
+        """Every world-th item from `rank`, measured: this rank's part of the start-up's measuring."""
+        items = np.arange(rank, self.size, world, dtype=np.int64)
+        return items, self.measured(items.tolist())
+
+
+def measured_table(size: int, sequences: int, encoders: Sequence[str], measure: Measure) -> ShapeTable:
+    """A table of `size` items, every item measured now when the world has several ranks (each rank its share,
+    combined by `gathered`), else as steps ask."""
+    table = ShapeTable(size, sequences, encoders, measure)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        parts = gathered(table.share(dist.get_rank(), world), world)
+        table.put(np.concatenate([items for items, _ in parts]), ShapeArrays.joined([s for _, s in parts]))
+    return table
+
+
+def gathered(mine: tuple[np.ndarray, ShapeArrays], world: int) -> list[tuple[np.ndarray, ShapeArrays]]:
+    """Every rank's part (one all_gather_object over a temporary gloo group of the world: the job's groups may be
+    NCCL's)."""
+    group = dist.new_group(backend="gloo")
+    try:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        return everyone
+    finally:
+        dist.destroy_process_group(group)
