@@ -106,7 +106,9 @@ def test_an_anyres_key_loom_cannot_follow_is_named_when_the_config_loads(llava_o
 
 @pytest.mark.parametrize("overrides,fragments", [
     (["--data.tasks=[\"digits\"]"], ["data.tasks ['digits']", "cut into tiles", "data.sources"]),
-    (["--data.tasks=[\"sums\"]", "--layout.vision.tp=2"], ["vision: tp = 2", "anyres", "layout.vision.tp = 1"]),
+    # the tile layout and image_newline run after the projector, on the last stage's rows, which stages do not run
+    (["--data.tasks=[\"sums\"]", '--layout.vision.ranks="0-1"', '--layout.language.ranks="2-3"',
+      "--layout.vision.pp=2"], ["vision: pp = 2", "anyres", "layout.vision.pp = 1"]),
 ])
 def test_a_layout_or_task_the_anyres_tower_cannot_take_is_named_when_the_config_loads(llava_onevision, overrides,
                                                                                        fragments):

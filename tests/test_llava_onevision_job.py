@@ -28,6 +28,9 @@ def _job(folder, tmp_path) -> list[str]:
 
 # (world size, overrides); the 2-rank worlds first (the pool keeps two worlds alive)
 LAYOUTS = {
+    # the tower at tp2 with its tiles' rows sharded between layers (dp1), gathered whole before the projector and the
+    # tile layout → LLM dp2
+    "vision-tp2-sp-fan-out": (2, ["--layout.vision.tp=2", "--layout.vision.sequence_parallel=true"]),
     # the LLM's cp ranks each take their chunks of the tiled rows and the newline rows between them
     "llm-cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),
     # the LLM in two stages; the tower runs unpipelined on the whole step first (the three-phase step)

@@ -18,6 +18,8 @@ from oracle import assert_all_passed  # noqa: E402
 
 # (world size, overrides); the 2-rank world first (the pool keeps two worlds alive)
 LAYOUTS = {
+    # the tower at tp2 with its frame rows sharded between layers (dp1), gathered whole before the pooling → LLM dp2
+    "audio-tp2-sp-fan-out": (2, ["--layout.audio.tp=2", "--layout.audio.sequence_parallel=true"]),
     "llm-cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),  # audio dp2 → LLM cp2
     # the LLM in two stages; the tower runs unpipelined on the whole step first (the three-phase step)
     "llm-pp2": (2, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
@@ -71,16 +73,16 @@ def test_loom_verify_passes_for_a_qwen2audio_folder_under_layouts(qwen2audio_job
     assert_all_passed(name, per_rank, 2, ("audio", "language"))
 
 
-@pytest.mark.parametrize("layout", [["--layout.audio.tp=2"],
-                                    ['--layout.audio.ranks="0-1"', '--layout.language.ranks="2-3"',
-                                     "--layout.audio.pp=2"]], ids=["tp2", "pp2"])
-def test_a_tower_layout_loom_cannot_run_qwen2audio_under_is_named_when_the_config_loads(qwen2audio_job, layout):
+def test_a_tower_layout_loom_cannot_run_qwen2audio_under_is_named_when_the_config_loads(qwen2audio_job):
+    """An encoder pipeline (its own ranks): its stages would pass the unpooled rows. tp (+ SP) runs: LAYOUTS."""
     from loom.job import load_config
     from loom.typed_config import ConfigError
 
+    layout = ['--layout.audio.ranks="0-1"', '--layout.language.ranks="2-3"', "--layout.audio.pp=2"]
     with pytest.raises(ConfigError) as err:
         load_config(None, [*qwen2audio_job, *layout], world_size=4)
-    assert all(f in str(err.value) for f in ("Qwen2-Audio's tower", "layout.audio.tp = 1", "layout.audio.pp = 1"))
+    assert all(f in str(err.value) for f in ("audio: pp = 2", "Qwen2-Audio's tower", "layout.audio.pp = 1"))
+    load_config(None, [*qwen2audio_job, "--layout.audio.tp=2", "--layout.audio.sequence_parallel=true"], world_size=2)
 
 
 def test_a_qwen2audio_folder_without_its_processor_config_is_named_when_the_config_loads(qwen2audio_job, tmp_path):

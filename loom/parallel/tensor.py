@@ -5,11 +5,14 @@ per-head up-projections column-wise, the latent down-projections whole), SwiGLU 
 embedding, and a vocab-sharded LM head whose logits stay a DTensor for loss parallel. With sequence
 parallel the residual stream between blocks is sharded over tokens (dim 0 packed, dim 1 padded): norms
 run on their token shard, each attention/MLP input is all-gathered, each output reduce-scattered.
-Encoders (ViT, Whisper) and projectors: attention heads and MLPs split the same way. With sequence parallel
+Encoders (ViT, Whisper) and projectors: attention heads and MLPs split the same way (a one-matmul projector stays
+whole). With sequence parallel
 (`[layout.vision] sequence_parallel = true`) the packed patch / frame stream between the layers is sharded
 over tp like the LLM's: it is already padded to 64 rows with a filler item (encoder_layer.run_packed), so it
 splits evenly for tp | 64; attention still sees every row of its image (the projections' input is gathered),
-and the last layer's output is gathered whole again, for the filler's removal and the projector.
+and the last layer's output is gathered whole again, for the filler's removal and the projector. So what follows
+the last layer — Qwen2-Audio's pooling of a clip's rows in pairs, LLaVA-OneVision's per-image tile layout with its
+image_newline — sees whole rows on every tp rank, as without SP (row-parallel outputs are replicated).
 KV heads: split like the query heads when tp divides num_kv_heads; when tp is a multiple of it (more ranks
 than KV heads, e.g. Qwen2.5-1.5B's 2 at tp 4) each rank's query heads all read one KV head, so k/v_proj stay
 whole on every rank (replicated: they are small) and each rank keeps the output columns of its head; the
@@ -36,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from loom.models.multimodal import ModalityEncoder
+from loom.models.projector import Projector
 from loom.parallel.encoder_pipeline import EncoderStage
 
 
@@ -182,9 +186,10 @@ def apply_encoder_tp(encoder: ModalityEncoder | EncoderStage, mesh: DeviceMesh, 
     """`encoder`: a whole ModalityEncoder or one pipeline stage of it (its layers; the projector on the last)."""
     rows = Shard(0) if sequence_parallel else Replicate()  # the packed stream between layers: [rows, hidden]
     plan = {}
-    if encoder.projector is not None:
+    if isinstance(encoder.projector, Projector):
         plan["projector.linear_1"] = ColwiseParallel()
         plan["projector.linear_2"] = RowwiseParallel()  # output replicated: full LLM-width embeddings
+    # a LinearProjector (Qwen2-Audio's one matmul) stays whole: its input and output are whole rows on every tp rank
     # a stage's layers keep their one-process indices as names (a ModuleDict), the whole encoder's a ModuleList
     layers = [f"encoder.layers.{i}" for i, _ in encoder.encoder.layers.named_children()]
     for layer in layers:

@@ -186,17 +186,14 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
                           f"{enc.family!r}): loom runs it data-parallel only for now (its fused qkv has no "
                           f"tensor-parallel plan, and a shard or stage would need whole 2×2 merger groups); set "
                           f"layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
-    if name == "audio" and enc.family == "qwen2_audio" and (lay.tp > 1 or lay.pp > 1):
-        raise ConfigError(f"audio: tp = {lay.tp}, pp = {lay.pp} with Qwen2-Audio's tower (model.audio.family = "
-                          f"'qwen2_audio'): loom runs it data-parallel only for now (its pooling averages a clip's "
-                          f"rows in pairs, which a sequence-parallel shard or a stage does not hold whole, and its "
-                          f"one-matmul projector has no tensor-parallel plan); set layout.audio.tp = 1 and "
-                          f"layout.audio.pp = 1 and give it dp")
-    if name == "vision" and enc.grid_pinpoints and (lay.tp > 1 or lay.pp > 1):
-        raise ConfigError(f"vision: tp = {lay.tp}, pp = {lay.pp} with LLaVA-OneVision's anyres tower "
-                          f"(model.vision.grid_pinpoints): loom runs it data-parallel only for now (its rows are "
-                          f"laid out per image after the projector, which a tp shard or a stage does not hold "
-                          f"whole); set layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
+    if name == "audio" and enc.family == "qwen2_audio" and lay.pp > 1:
+        raise ConfigError(f"audio: pp = {lay.pp} with Qwen2-Audio's tower (model.audio.family = 'qwen2_audio'): "
+                          f"its stages would pass a clip's unpooled rows, twice the placeholders it fills, which "
+                          f"encoder pipelines do not count; set layout.audio.pp = 1 and give it dp or tp")
+    if name == "vision" and enc.grid_pinpoints and lay.pp > 1:
+        raise ConfigError(f"vision: pp = {lay.pp} with LLaVA-OneVision's anyres tower (model.vision.grid_pinpoints): "
+                          f"its rows are laid out per image after the projector (tile layout, image_newline), which "
+                          f"an encoder stage does not run; set layout.vision.pp = 1 and give it dp or tp")
     _divides(lay, "tp", {"num_heads": enc.num_heads, "hidden_size": enc.hidden_size,
                          "intermediate_size": enc.intermediate_size}, f"model.{name}")
 
