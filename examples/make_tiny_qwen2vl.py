@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_vlm beside
 import make_tiny_vlm as vlm  # noqa: E402
 
 from loom.models.hf.mapping import config_to_hf  # noqa: E402
-from loom.models.hf.names import hf_name  # noqa: E402
+from loom.models.hf.names import hf_name, join_fused  # noqa: E402
 from loom.models.llm import DecoderLM  # noqa: E402
 from loom.models.projector import Projector  # noqa: E402
 from loom.models.qwen2_vision import Qwen2VisionEncoder  # noqa: E402
@@ -76,7 +76,7 @@ def write_model(folder: Path, vocab: int, ids: dict[str, int], seed: int) -> Non
     tensors = {}
     for kind, (module, loom_prefix, hf_prefix, family) in parts.items():
         drawn = vlm.random_tensors(module, loom_prefix, seed, lm_cfg.init_std if kind == "language" else None)
-        tensors.update({hf_name(kind, n, hf_prefix, family): t for n, t in drawn.items()})
+        tensors.update(join_fused({n: (hf_name(kind, n, hf_prefix, family), t) for n, t in drawn.items()}, family))
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     text = {k: v for k, v in config_to_hf("language", lm_cfg, torch.float32).items() if k != "architectures"}
     vision = {"depth": tower_cfg.num_layers, "embed_dim": tower_cfg.hidden_size, "num_heads": tower_cfg.num_heads,

@@ -15,7 +15,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (  # noqa: E402
     Qwen2_5_VisionTransformerPretrainedModel,
 )
 
-from loom.models.hf.names import hf_name  # noqa: E402
+from loom.models.hf.names import block_of, hf_name  # noqa: E402
 from loom.models.multimodal import ModalityEncoder  # noqa: E402
 from loom.models.qwen2_vision import Qwen2VisionEncoder  # noqa: E402
 from loom.models.vision import VisionConfig  # noqa: E402
@@ -36,7 +36,8 @@ def test_the_qwen2_5_vl_tower_gives_transformers_rows_for_images_of_different_si
     enc = Qwen2VisionEncoder(cfg)
     tower = ModalityEncoder(enc, 64, "gelu", hidden=enc.out_dim)
     state = {"visual." + k: v for k, v in ref.state_dict().items()}
-    tower.encoder.load_state_dict({n: state[hf_name("vision", n, "visual.", "qwen2_5_vl_vision")]
+    fam = "qwen2_5_vl_vision"  # the tower's q/k/v: row blocks of the folder's fused qkv
+    tower.encoder.load_state_dict({n: block_of(state[hf_name("vision", n, "visual.", fam)], n, fam)
                                    for n in tower.encoder.state_dict()})
     tower.projector.load_state_dict({n: state[hf_name("projector", n, "visual.", "qwen2_5_vl")]
                                      for n in tower.projector.state_dict()})

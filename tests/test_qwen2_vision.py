@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from qwen2vl_folders import TOWER, qwen2vl_model  # noqa: E402
 from transformers import Qwen2VLImageProcessorPil  # noqa: E402
 
-from loom.models.hf.names import hf_name  # noqa: E402
+from loom.models.hf.names import block_of, hf_name  # noqa: E402
 from loom.models.multimodal import ModalityEncoder  # noqa: E402
 from loom.models.qwen2_vision import Qwen2VisionEncoder  # noqa: E402
 from loom.models.vision import VisionConfig  # noqa: E402
@@ -30,7 +30,8 @@ def loom_tower(ref) -> ModalityEncoder:
     tower = ModalityEncoder(enc, ref.config.text_config.hidden_size, "gelu", hidden=enc.out_dim)
     # the folder's names as the loader maps them (transformers 5 holds the tower as model.visual in memory)
     state = ref.state_dict()
-    tower.encoder.load_state_dict({n: state[hf_name("vision", n, "model.visual.", "qwen2_vl_vision")]
+    fam = "qwen2_vl_vision"  # the tower's q/k/v: row blocks of the folder's fused qkv
+    tower.encoder.load_state_dict({n: block_of(state[hf_name("vision", n, "model.visual.", fam)], n, fam)
                                    for n in tower.encoder.state_dict()})
     tower.projector.load_state_dict({n: state[hf_name("projector", n, "model.visual.", "qwen2_vl")]
                                      for n in tower.projector.state_dict()})

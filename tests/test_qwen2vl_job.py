@@ -1,6 +1,7 @@
 """A Qwen2-VL folder as a job's model (`[model] hf`): a user's conversations with images of assorted sizes, sized by
 the folder's processor, M-RoPE positions built with the packing, under layouts against the one-process reference
-(`loom verify` on gloo ranks): the tower fanning in to the LLM, the LLM at cp2 (M-RoPE sharded) and at pp2."""
+(`loom verify` on gloo ranks): the tower at tp2 with sequence parallel fanning out to the LLM, the tower fanning in
+to the LLM, the LLM at cp2 (M-RoPE sharded) and at pp2."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from oracle import assert_all_passed  # noqa: E402
 
 # (world size, overrides); 2-rank worlds first (the pool keeps two worlds alive)
 LAYOUTS = {
+    "vision-tp2-sp-fan-out": (2, ["--layout.vision.tp=2", "--layout.vision.sequence_parallel=true"]),  # dp1 → dp2
     "llm-cp2": (2, ["--layout.language.cp=2", "--data.pad_to_multiple=4"]),  # vision dp2 → LLM cp2
     "llm-pp2": (2, ["--layout.language.pp=2", "--train.microbatches=2", "--data.tokens_per_microbatch=512"]),
     "vision-dp4-fan-in-llm-tp2": (4, ["--layout.vision.tp=1", "--layout.language.tp=2"]),  # dp4 → tp2 × dp2
@@ -47,6 +49,15 @@ def test_loom_verify_passes_for_a_qwen2_5_vl_folder_with_the_llm_at_cp2(qwen2_5_
         assert len(checks) == 2 and all(c["passed"] and c["modules"] == ["language", "vision"] for c in checks), checks
         assert all(c["ref_norm"] > c["clip"] for c in checks)
     assert per_rank[0] == per_rank[1]
+
+
+def test_loom_verify_passes_for_a_qwen2_5_vl_folder_with_the_tower_at_tp2_and_sequence_parallel(qwen2_5_vl_job,
+                                                                                                  worlds):
+    """Qwen2.5-VL's windowed tower at tp2 with its rows sharded between layers (the stream gathered for attention:
+    windows whole, the merger's 2×2 groups from the gathered output), the LLM at dp2."""
+    name = "vision-tp2-sp-fan-out"
+    per_rank = worlds.run(2, _verify, [*qwen2_5_vl_job, *LAYOUTS[name][1]], timeout=300)
+    assert_all_passed(name, per_rank, 2, ("language", "vision"))
 
 
 def _verify(overrides: list[str]) -> list[dict]:
@@ -131,16 +142,17 @@ def test_a_qwen2vl_job_trains_and_exports_a_folder_transformers_reads_with_equal
     assert (got - hf_logits(back.eval(), samples)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("layout", [["--layout.vision.tp=2"],
-                                    ['--layout.vision.ranks="0-1"', '--layout.language.ranks="2-3"',
-                                     "--layout.vision.pp=2"]], ids=["tp2", "pp2"])
-def test_a_tower_layout_loom_cannot_run_qwen2vl_under_is_named_when_the_config_loads(qwen2vl_job, layout):
+def test_a_tower_pipeline_loom_cannot_run_qwen2vl_under_is_named_when_the_config_loads(qwen2vl_job):
+    """tp is lifted (the tower's q/k/v split by heads); pp stays refused: an encoder pipeline exists only on ranks of
+    its own, and its stages pass a ViT's stream, not this tower's rotary positions and windows."""
     from loom.job import load_config
     from loom.typed_config import ConfigError
 
+    layout = ['--layout.vision.ranks="0-1"', '--layout.language.ranks="2-3"', "--layout.vision.pp=2"]
     with pytest.raises(ConfigError) as err:
         load_config(None, [*qwen2vl_job, *layout], world_size=4)
-    assert all(f in str(err.value) for f in ("Qwen2-VL's tower", "layout.vision.tp = 1", "layout.vision.pp = 1"))
+    assert all(f in str(err.value) for f in ("Qwen2-VL's tower", "layout.vision.pp = 1"))
+    assert load_config(None, [*qwen2vl_job, "--layout.vision.tp=2"], world_size=4).layout.vision.tp == 2
 
 
 def test_loom_score_of_a_qwen2vl_job_writes_each_conversations_targets_in_order(qwen2vl_job, tmp_path, capsys):

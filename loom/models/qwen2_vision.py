@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.data.spans import TokenSpans
+from loom.data.spans import ROW_MULTIPLE, TokenSpans, filler_lengths
 from loom.models.attention import attend
-from loom.models.layers import GeluMLP, RMSNorm, SwiGLU, apply_rotary
+from loom.models.layers import GeluMLP, RMSNorm, SwiGLU, apply_rotary, project
 from loom.models.vision import VisionConfig
 
 
@@ -45,14 +45,18 @@ class VisionRotary(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    """Qwen2-VL's fused `qkv` [3 · dim, dim] held as three Linears, its row blocks in order (models/hf/qwen2_vl.py
+    splits it on load and joins it on export): each is then column-parallel by heads like any ViT's q/k/v, and
+    checkpoints keep global, layout-free tensors; `project` still runs them as one matmul on one process."""
+
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)  # Qwen2-VL's fused projection: q, k, v one after another
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, spans: TokenSpans, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).unbind(-3)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in project(x, (self.q_proj, self.k_proj, self.v_proj)))
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return self.proj(attend(q, k, v, spans, causal=False).flatten(-2))
 
@@ -117,16 +121,22 @@ class Qwen2VisionEncoder(nn.Module):
         patches = torch.cat([self.patches(img) for img in images])
         h = F.linear(patches.to(weight.dtype), weight.flatten(1))
         rows_cols = torch.cat([self._rows_cols(gh, gw) for _, gh, gw in grids])
-        images = TokenSpans.from_lengths([t * gh * gw for t, gh, gw in grids], device=h.device)
+        images = [t * gh * gw for t, gh, gw in grids]
         order, windows = self._windows(grids)
         if order is not None:  # Qwen2.5-VL: each window's merger groups one after another (within its image)
             group = self.cfg.merge_size**2
             h, rows_cols = _by_groups(h, order, group), _by_groups(rows_cols, order, group)
-        rope = self.rotary(rows_cols.to(h.device))
+        # filler rows after the (reordered) stream, as encoder_layer.run_packed's: a multiple of ROW_MULTIPLE rows
+        # splits evenly over sequence-parallel ranks; dropped before the merger, so its groups stay whole
+        rows, fill = h.shape[0], -h.shape[0] % ROW_MULTIPLE
+        h = torch.cat([h, h.new_zeros(fill, h.shape[1])])
+        rope = self.rotary(torch.cat([rows_cols, rows_cols.new_zeros(fill, 2)]).to(h.device))
+        spans = lambda lengths: TokenSpans.from_lengths([*lengths, *filler_lengths(fill)], device=h.device)  # noqa: E731
+        images, windows = spans(images), windows and spans(windows)
         for i, layer in enumerate(self.layers):
             full = order is None or i in self.cfg.full_attention_layers
             h = layer(h, images if full else windows, rope)
-        out = self.ln_q(h).view(-1, self.out_dim)  # each merger group's rows are consecutive
+        out = self.ln_q(h[:rows]).view(-1, self.out_dim)  # each merger group's rows are consecutive
         return out if order is None else out[torch.argsort(order).to(out.device)]  # groups back in image order
 
     def patches(self, image: torch.Tensor) -> torch.Tensor:
@@ -137,10 +147,10 @@ class Qwen2VisionEncoder(nn.Module):
         x = frames.reshape(t, c, gh // m, m, p, gw // m, m, p)
         return x.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, c * t * p * p)
 
-    def _windows(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor | None, TokenSpans | None]:
+    def _windows(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor | None, list[int] | None]:
         """Qwen2.5-VL's windows: each image's merged grid cut into squares of window_size pixels (the last row
         and column of windows cut short), windows row-major, groups row-major inside; (the merger groups in that
-        order, the windows' spans in patches). None, None without windows."""
+        order, the windows' lengths in patches). None, None without windows."""
         if not self.cfg.window_size:
             return None, None
         m, side = self.cfg.merge_size, self.cfg.window_size // self.cfg.merge_size // self.cfg.patch_size
@@ -154,8 +164,7 @@ class Qwen2VisionEncoder(nn.Module):
                         order += [start + (f * lh + y) * lw + x for y in ys for x in xs]
                         lengths.append(len(ys) * len(xs) * m * m)
             start += t * lh * lw
-        device = self.patch_embed.proj.weight.device
-        return torch.tensor(order), TokenSpans.from_lengths(lengths, device=device)
+        return torch.tensor(order), lengths
 
     def _rows_cols(self, gh: int, gw: int) -> torch.Tensor:
         """Each patch's (row, column) in the grid, in merger order: [gh · gw, 2]."""

@@ -5,14 +5,16 @@ per-head up-projections column-wise, the latent down-projections whole), SwiGLU 
 embedding, and a vocab-sharded LM head whose logits stay a DTensor for loss parallel. With sequence
 parallel the residual stream between blocks is sharded over tokens (dim 0 packed, dim 1 padded): norms
 run on their token shard, each attention/MLP input is all-gathered, each output reduce-scattered.
-Encoders (ViT, Whisper) and projectors: attention heads and MLPs split the same way (a one-matmul projector stays
+Encoders (ViT, Whisper, Qwen2-VL's and Qwen2.5-VL's towers) and projectors: attention heads and MLPs split the
+same way (Qwen2-VL's fused qkv is three Linears in loom, its SwiGLU like the LLM's; a one-matmul projector stays
 whole). With sequence parallel
 (`[layout.vision] sequence_parallel = true`) the packed patch / frame stream between the layers is sharded
 over tp like the LLM's: it is already padded to 64 rows with a filler item (encoder_layer.run_packed), so it
 splits evenly for tp | 64; attention still sees every row of its image (the projections' input is gathered),
-and the last layer's output is gathered whole again, for the filler's removal and the projector. So what follows
-the last layer — Qwen2-Audio's pooling of a clip's rows in pairs, LLaVA-OneVision's per-image tile layout with its
-image_newline — sees whole rows on every tp rank, as without SP (row-parallel outputs are replicated).
+and the last layer's output is gathered whole again, for the filler's removal and the projector (Qwen2-VL's tower
+pads its own stream so; its windows, 2-D rotary and merger groups thus see every row as on one process). So what
+follows the last layer — Qwen2-Audio's pooling of a clip's rows in pairs, LLaVA-OneVision's per-image tile layout
+with its image_newline — sees whole rows on every tp rank, as without SP (row-parallel outputs are replicated).
 KV heads: split like the query heads when tp divides num_kv_heads; when tp is a multiple of it (more ranks
 than KV heads, e.g. Qwen2.5-1.5B's 2 at tp 4) each rank's query heads all read one KV head, so k/v_proj stay
 whole on every rank (replicated: they are small) and each rank keeps the output columns of its head; the
@@ -38,8 +40,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from loom.models.encoder_layer import EncoderLayer
+from loom.models.layers import SwiGLU
 from loom.models.multimodal import ModalityEncoder
 from loom.models.projector import Projector
+from loom.models.qwen2_vision import VisionBlock
 from loom.parallel.encoder_pipeline import EncoderStage
 
 
@@ -191,31 +196,42 @@ def apply_encoder_tp(encoder: ModalityEncoder | EncoderStage, mesh: DeviceMesh, 
         plan["projector.linear_2"] = RowwiseParallel()  # output replicated: full LLM-width embeddings
     # a LinearProjector (Qwen2-Audio's one matmul) stays whole: its input and output are whole rows on every tp rank
     # a stage's layers keep their one-process indices as names (a ModuleDict), the whole encoder's a ModuleList
-    layers = [f"encoder.layers.{i}" for i, _ in encoder.encoder.layers.named_children()]
-    for layer in layers:
-        plan.update({
-            f"{layer}.self_attn.q_proj": ColwiseParallel(),
-            f"{layer}.self_attn.k_proj": ColwiseParallel(),
-            f"{layer}.self_attn.v_proj": ColwiseParallel(),
-            f"{layer}.self_attn.out_proj": RowwiseParallel(output_layouts=rows),
-            f"{layer}.mlp.fc1": ColwiseParallel(),
-            f"{layer}.mlp.fc2": RowwiseParallel(output_layouts=rows),
-        })
+    named = list(encoder.encoder.layers.named_children())
+    layers = [f"encoder.layers.{i}" for i, _ in named]
+    args = (None,) * (_LAYER_ARGS[type(named[0][1])] - 1)  # the layer's inputs after the stream: spans (and rope)
+    for (_, module), layer in zip(named, layers):
+        attn, out, norm1, norm2 = _NAMES[type(module)]
+        plan.update({f"{layer}.{attn}.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")})
+        plan[f"{layer}.{attn}.{out}"] = RowwiseParallel(output_layouts=rows)
+        if isinstance(module.mlp, SwiGLU):  # Qwen2.5-VL's, with biases: sharded like the LLM's
+            plan.update({f"{layer}.mlp.gate_proj": ColwiseParallel(), f"{layer}.mlp.up_proj": ColwiseParallel(),
+                         f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=rows)})
+        else:
+            plan.update({f"{layer}.mlp.fc1": ColwiseParallel(),
+                         f"{layer}.mlp.fc2": RowwiseParallel(output_layouts=rows)})
         if sequence_parallel:
             plan.update({
-                f"{layer}.layer_norm1": SequenceParallel(sequence_dim=0),
-                f"{layer}.layer_norm2": SequenceParallel(sequence_dim=0),
-                # (h, layout): every row of the stream before the projections, so attention sees whole images
-                f"{layer}.self_attn": PrepareModuleInput(input_layouts=(rows, None),
-                                                         desired_input_layouts=(Replicate(), None)),
+                f"{layer}.{norm1}": SequenceParallel(sequence_dim=0),
+                f"{layer}.{norm2}": SequenceParallel(sequence_dim=0),
+                # (h, spans[, rope]): every row of the stream before the projections, so attention sees whole
+                # images and whole Qwen2.5-VL windows, and the 2-D rotary every row's (row, column)
+                f"{layer}.{attn}": PrepareModuleInput(input_layouts=(rows, *args),
+                                                      desired_input_layouts=(Replicate(), *args)),
                 f"{layer}.mlp": PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),)),
             })
     if sequence_parallel:
         # the stream enters the first layer whole (embeddings are computed, or a stage's input received, on every tp
-        # rank) and leaves the last whole
-        plan[layers[0]] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(rows, None),
+        # rank) and leaves the last whole: Qwen2-VL's merger then takes its 2×2 groups from every row, in order
+        plan[layers[0]] = PrepareModuleInput(input_layouts=(Replicate(), *args), desired_input_layouts=(rows, *args),
                                              use_local_output=True)
     parallelize_module(encoder, mesh, plan)
     if sequence_parallel:  # a second call: with one layer, the first is the last
         parallelize_module(encoder, mesh, {layers[-1]: PrepareModuleOutput(
             output_layouts=rows, desired_output_layouts=Replicate(), use_local_output=True)})
+
+
+# each encoder layer's (attention, its output projection, the norms before attention and MLP); Qwen2-VL's q/k/v are
+# its fused qkv's row blocks (models/qwen2_vision.py), so every tower's attention shards alike
+_NAMES = {EncoderLayer: ("self_attn", "out_proj", "layer_norm1", "layer_norm2"),
+          VisionBlock: ("attn", "proj", "norm1", "norm2")}
+_LAYER_ARGS = {EncoderLayer: 2, VisionBlock: 3}  # (h, spans) and Qwen2-VL's (h, spans, rope)

@@ -181,11 +181,13 @@ def _check_encoder(lay: Layout, cfg: JobConfig) -> None:
             f"{name}: cp = {lay.cp}, but encoders do not use context parallelism; give the {name} encoder "
             f"cp = 1 and more dp instead (its batch is spread over the LLM's cp ranks)"
         )
-    if name == "vision" and enc.family in ("qwen2_vl", "qwen2_5_vl") and (lay.tp > 1 or lay.pp > 1):
-        raise ConfigError(f"vision: tp = {lay.tp}, pp = {lay.pp} with Qwen2-VL's tower (model.vision.family = "
-                          f"{enc.family!r}): loom runs it data-parallel only for now (its fused qkv has no "
-                          f"tensor-parallel plan, and a shard or stage would need whole 2×2 merger groups); set "
-                          f"layout.vision.tp = 1 and layout.vision.pp = 1 and give it dp")
+    # Qwen2-VL's tower runs at any tp (+SP) the sizes divide: attention and the merger see the stream whole
+    # (gathered before attention, after the last layer), so its windows and 2×2 groups need no rule of their own
+    if name == "vision" and enc.family in ("qwen2_vl", "qwen2_5_vl") and lay.pp > 1:
+        raise ConfigError(f"vision: pp = {lay.pp} with Qwen2-VL's tower (model.vision.family = {enc.family!r}): an "
+                          f"encoder pipeline (ranks of its own only) passes a ViT's stream and spans between stages, "
+                          f"not this tower's 2-D rotary positions and Qwen2.5-VL's window order; set "
+                          f"layout.vision.pp = 1 and give it dp or tp")
     if name == "audio" and enc.family == "qwen2_audio" and lay.pp > 1:
         raise ConfigError(f"audio: pp = {lay.pp} with Qwen2-Audio's tower (model.audio.family = 'qwen2_audio'): "
                           f"its stages would pass a clip's unpooled rows, twice the placeholders it fills, which "

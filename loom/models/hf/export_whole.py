@@ -51,7 +51,7 @@ def export_whole(get, m: ModelConfig, out_dir: str | Path) -> Path:
         grown = ("embed_tokens.weight", "lm_head.weight") if prefix == "language." else ()
         weights = HFWeights(source, module, grown)
         try:
-            tensors.update({h: get(prefix + n) for n, h in weights.names.items()})
+            tensors.update(weights.folder_tensors(lambda n: get(prefix + n)))
             unread.update({h: weights.read_stored(h) for h, why in weights.report.skipped.items()
                            if why == family.NOT_READ})
         finally:

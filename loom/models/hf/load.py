@@ -24,7 +24,7 @@ from loom.models.audio import AudioEncoder
 from loom.models.hf.fp8 import SCALES, dequantized, weight_blocks
 from loom.models.hf.mapping import HFError, config_from_hf, kind_of
 from loom.models.hf.whole import encoder_of, family_of, names as family_names, placeholder_ids
-from loom.models.hf.names import hf_name, locate, skip_reason
+from loom.models.hf.names import fused_block, hf_name, join_fused, locate, skip_reason
 from loom.models.hf.stacked import expert_names, is_stacked
 from loom.models.init import give_storage
 from loom.models.llm import DecoderLM, LLMConfig
@@ -169,6 +169,9 @@ class HFWeights:
         # stacked experts: one loom tensor [E, …] from E per-expert tensors (models/hf/stacked.py)
         self.stacked = {n: [hf_name(kind, e, prefix, family) for e in expert_names(n, expected[n][0])]
                         for n in expected if is_stacked(n)}
+        # row blocks of one fused folder tensor (Qwen2-VL's qkv): several loom names share its name
+        self.family = family
+        self.fused = {n: b for n in names if (b := fused_block(n, family)) is not None}
         on_disk = {h for n, h in names.items() if n not in self.stacked}
         on_disk |= {h for parts in self.stacked.values() for h in parts}
         self.report = LoadReport(loaded=names, computed=computed)
@@ -194,10 +197,18 @@ class HFWeights:
             raise HFError(f"{where}: shape mismatch for {bad}")
 
     def _shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape in the folder; a stacked one's is (experts, *each expert's), all experts alike."""
+        """A tensor's shape in the folder; a stacked one's is (experts, *each expert's), all experts alike; a fused
+        one's block's is its rows / blocks."""
         if name not in self.stacked:
             h = self.names[name]
-            return tuple(self._open(self.index[h]).get_slice(h).get_shape())
+            shape = tuple(self._open(self.index[h]).get_slice(h).get_shape())
+            if name not in self.fused:
+                return shape
+            rows, rest = divmod(shape[0], self.fused[name][1])
+            if rest:
+                raise HFError(f"{self.where}: {h} {list(shape)} does not split into {self.fused[name][1]} equal row "
+                              f"blocks, one of them loom's {name}")
+            return (rows, *shape[1:])
         each = {tuple(self._open(self.index[h]).get_slice(h).get_shape()) for h in self.stacked[name]}
         if len(each) > 1:
             raise HFError(f"{self.where}: the experts of {name} differ in shape: {sorted(each)}")
@@ -214,7 +225,15 @@ class HFWeights:
         box = box or tuple(slice(0, n) for n in self.shapes[name])
         if name in self.stacked:  # the experts box[0] selects, each read only in its box
             return torch.stack([self._read(h, box[1:]) for h in self.stacked[name][box[0]]])
+        if name in self.fused:  # the box within this block's rows of the fused tensor
+            start = self.fused[name][0] * self.shapes[name][0]
+            box = (slice(box[0].start + start, box[0].stop + start), *box[1:])
         return self._read(self.names[name], box)
+
+    def folder_tensors(self, get) -> dict[str, torch.Tensor]:
+        """The folder's tensors this module fills, by checkpoint name, from `get(loom name)`: a fused one (Qwen2-VL's
+        qkv) its blocks joined in order."""
+        return join_fused({n: (h, get(n)) for n, h in self.names.items()}, self.family)
 
     def read_stored(self, h: str) -> torch.Tensor:
         """The folder's tensor `h` (its checkpoint name) whole, whether or not the module loads it."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 from loom.models.hf import qwen2_vl
 from loom.models.hf.errors import HFError
 from loom.models.hf.mapping import llm_family
@@ -31,6 +33,8 @@ _RENAMES = {
     "tiles": [],  # LLaVA-OneVision's image_newline
 }
 FAMILY_RENAMES = {"mixtral": MIXTRAL_RENAMES, **qwen2_vl.RENAMES}
+# loom tensors that are a row block of a folder's fused tensor: (pattern, block, blocks) per family
+FAMILY_FUSED = dict(qwen2_vl.FUSED)
 # where the module's tensors sit in the checkpoint: tried in order, recognised by the anchor tensor
 PREFIXES = {
     "language": ("model.", ""),  # *ForCausalLM, or a bare *Model
@@ -68,6 +72,34 @@ def hf_name(kind: str, name: str, prefix: str, family: str = "", head_prefix: st
     for pattern, repl in _RENAMES[kind] + FAMILY_RENAMES.get(family, []):
         name = re.sub(pattern, repl, name)
     return prefix + name
+
+
+def fused_block(name: str, family: str = "") -> tuple[int, int] | None:
+    """(block, blocks): module-relative loom tensor `name` is row block `block` of `blocks` equal ones of the folder
+    tensor hf_name gives (Qwen2-VL's q/k/v of its fused qkv); None: the whole tensor."""
+    for pattern, block, blocks in FAMILY_FUSED.get(family, []):
+        if re.search(pattern, name):
+            return block, blocks
+    return None
+
+
+def block_of(t: torch.Tensor, name: str, family: str = "") -> torch.Tensor:
+    """Loom tensor `name`'s part of `t`, the folder tensor hf_name gives: its row block if fused, else all of it."""
+    block = fused_block(name, family)
+    return t if block is None else t.chunk(block[1])[block[0]]
+
+
+def join_fused(named: dict, family: str = "") -> dict:
+    """{loom name: (folder name, tensor)} → {folder name: tensor}: a fused folder tensor's blocks joined in order."""
+    out, blocks = {}, {}
+    for n, (h, t) in named.items():
+        block = fused_block(n, family)
+        if block is None:
+            out[h] = t
+        else:
+            blocks.setdefault(h, []).append((block[0], t))
+    out.update({h: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for h, parts in blocks.items()})
+    return out
 
 
 def names_family(kind: str, cfg) -> str:

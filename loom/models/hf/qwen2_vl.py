@@ -5,7 +5,8 @@ windowed attention; its names, its LLM and its images' positions are Qwen2-VL's.
 Its config.json ↔ loom's module configs, and where each loom module's tensors sit in the folder (transformers 4's
 names, which 5's save_pretrained writes too, then 5's in-memory ones). The tower's `blocks.N` are loom's `layers.N`;
 the merger's norm belongs to the tower (it normalises each patch before the 2×2 groups are joined) and its MLP
-(`merger.mlp.0` / `.2`) is the vision module's projector.
+(`merger.mlp.0` / `.2`) is the vision module's projector. Each block's fused `attn.qkv` is loom's `attn.q_proj`,
+`attn.k_proj` and `attn.v_proj` (FUSED_ROWS).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ PREFIXES = {
 }
 ANCHORS = {"language": "embed_tokens.weight", "vision": "patch_embed.proj.weight", "projector": "merger.mlp.0.weight"}
 # loom's names (after names.py's vision rules) → the folder's, per sub-config model_type
-TOWER_RENAMES = [(r"^encoder\.layers\.", "blocks."), (r"^ln_q\.", "merger.ln_q.")]
+TOWER_RENAMES = [(r"^encoder\.layers\.", "blocks."), (r"^ln_q\.", "merger.ln_q."),
+                 (r"\.attn\.[qkv]_proj\.", ".attn.qkv.")]
+# loom's q/k/v Linears are the row blocks of the folder's fused attn.qkv, in this order (split on load, joined on
+# export: tensor parallel splits each by heads, which one contiguous shard of [q; k; v] would not be)
+FUSED_ROWS = [(r"\.attn\.q_proj\.", 0, 3), (r"\.attn\.k_proj\.", 1, 3), (r"\.attn\.v_proj\.", 2, 3)]
+FUSED = {"qwen2_vl_vision": FUSED_ROWS, "qwen2_5_vl_vision": FUSED_ROWS}
 MERGER_RENAMES = [(r"^linear_1\.", "merger.mlp.0."), (r"^linear_2\.", "merger.mlp.2.")]  # the projector's
 RENAMES = {"qwen2_vl_vision": TOWER_RENAMES, FAMILY: MERGER_RENAMES,
            "qwen2_5_vl_vision": TOWER_RENAMES, "qwen2_5_vl": MERGER_RENAMES}  # Qwen2.5-VL's names alike
