@@ -213,10 +213,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def folder_args(description: str, example_out: str, argv: list[str] | None) -> argparse.Namespace:
-    """The arguments of the whole-folder examples (make_tiny_llava.py, make_tiny_qwen2vl.py, …)."""
+def folder_args(description: str, example_out: str, argv: list[str] | None,
+                families: tuple[str, ...] = ()) -> argparse.Namespace:
+    """The arguments of the whole-folder examples (make_tiny_llava.py, make_tiny_qwen2vl.py, …); `families`: the
+    model_types a script can write (the first by default)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("out", type=Path, help=f"output folder (e.g. {example_out})")
+    if families:
+        p.add_argument("--family", choices=families, default=families[0], help="config.json's model_type")
     p.add_argument("--train", type=int, default=1000, help="training conversations")
     p.add_argument("--heldout", type=int, default=80, help="held-out conversations")
     p.add_argument("--seed", type=int, default=0, help="data and initial weights are a function of it")
