@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loom.data.loader import measured_sequence_shapes
 from loom.data.sample import Sample
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.tokenizer import ByteTokenizer
@@ -81,6 +82,10 @@ class PackedSteps:
     def shapes(self, step: int, counters: dict) -> list[tuple[SampleShape, ...]]:
         """loom plans a step from its samples' shapes (data/loader.py's GlobalBatches does the same)."""
         return [(shape_of(s, counters),) for s in self.global_batch(step)]
+
+    def sequence_shapes(self, step: int, counters: dict):
+        """The same as arrays, as loom's step draws them (no shape table: measured from the samples)."""
+        return measured_sequence_shapes(self, step, counters)
 
     def item(self, step: int, i: int) -> Sample:
         return self.global_batch(step)[i]

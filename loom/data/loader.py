@@ -86,14 +86,7 @@ class GlobalBatches(Generic[T]):
         up in the dataset's `table` (data/shape_table.py) where it has one, else as `shapes` finds them."""
         table = getattr(self.dataset, "table", None)
         if table is None:
-            found, shapes, items, bad = self.shapes(step, counters), [], [], {}
-            for i, item in zip(self.indices(step), found):
-                if isinstance(item, BadSample):
-                    bad[i] = str(item)
-                elif item is not None:
-                    shapes += item
-                    items += [i] * len(item)
-            return ShapeArrays.of(shapes, list(counters)), np.array(items, dtype=np.int64), bad
+            return measured_sequence_shapes(self, step, counters)
         indices = np.array(self.indices(step), dtype=np.int64)
         if self.dropped:
             indices = indices[~np.isin(indices, list(self.dropped))]
@@ -119,3 +112,17 @@ class GlobalBatches(Generic[T]):
             return self.transform(self.dataset[i])
         except BadSample as e:  # the same on every rank: they all read the same bytes
             return e
+
+
+def measured_sequence_shapes(batches, step: int, counters: dict[str, TokenCounter]
+                             ) -> tuple[ShapeArrays, np.ndarray, dict[int, str]]:
+    """GlobalBatches.sequence_shapes of a dataset without a shape table, from `batches.shapes(step, counters)` and
+    `batches.indices(step)` (any object that has them: a benchmark's synthetic steps too)."""
+    found, shapes, items, bad = batches.shapes(step, counters), [], [], {}
+    for i, item in zip(batches.indices(step), found):
+        if isinstance(item, BadSample):
+            bad[i] = str(item)
+        elif item is not None:
+            shapes += item
+            items += [i] * len(item)
+    return ShapeArrays.of(shapes, list(counters)), np.array(items, dtype=np.int64), bad
