@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -13,6 +15,20 @@ from loom.rank_gpus import (check_gpu_per_local_rank, check_no_shared_gpu, gpu_o
                              ranks_use_cuda)
 
 BACKENDS = ("auto", "gloo", "nccl")
+
+
+@contextmanager
+def host_world_group() -> Iterator[dist.ProcessGroup | None]:
+    """A gloo group of the whole world for host objects (all_gather_object), made for the block and destroyed
+    after it: the job's groups do not exist yet, or are NCCL's. None on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield None
+        return
+    group = dist.new_group(backend="gloo")
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
 
 
 def launched_world_size() -> int:

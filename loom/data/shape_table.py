@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from loom.distributed import host_world_group
 from loom.data.shape_arrays import ShapeArrays
 from loom.data.shapes import SampleShape
 
@@ -101,10 +102,7 @@ def measured_table(size: int, sequences: int, encoders: Sequence[str], measure: 
 def gathered(mine: tuple[np.ndarray, ShapeArrays], world: int) -> list[tuple[np.ndarray, ShapeArrays]]:
     """Every rank's part (one all_gather_object over a temporary gloo group of the world: the job's groups may be
     NCCL's)."""
-    group = dist.new_group(backend="gloo")
-    try:
+    with host_world_group() as group:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         return everyone
-    finally:
-        dist.destroy_process_group(group)

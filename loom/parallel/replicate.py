@@ -25,12 +25,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from loom.parallel_config import ParallelConfig
+
 if TYPE_CHECKING:
     from loom.topology import Grid
 
 # a bucket holds at least this many bytes of gradients, except the last: one grouped all-reduce per bucket, in place
-# (or through a flat buffer where the sum's dtype differs); parallel.replica_bucket_mb
-BUCKET_BYTES = 256 << 20
+# (or through a flat buffer where the sum's dtype differs); the default of parallel.replica_bucket_mb
+BUCKET_BYTES = int(ParallelConfig.replica_bucket_mb * 2**20)
 
 
 class GradientSum:

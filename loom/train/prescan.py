@@ -19,6 +19,7 @@ from loom.data.format import TokenCounter
 from loom.data.sample import sequences_of
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.source import ChatRules, rules_sample
+from loom.distributed import host_world_group
 from loom.train.length_rules import fitting
 from loom.train.prescan_cache import Findings, PrescanCache
 
@@ -71,8 +72,7 @@ def scan(sources: list[Conversations], check: Check, cache: PrescanCache | None 
     whose findings `cache` holds on every rank is read from it, not scanned (rank 0 writes the ones scanned)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
-    group = dist.new_group(backend="gloo") if world > 1 else None
-    try:
+    with host_world_group() as group:
         known = [cache.load(f) if cache is not None else None for f in sources]
         if group is not None and cache is not None:  # a source is read from the cache on every rank, or scanned
             hits = torch.tensor([found is not None for found in known], dtype=torch.int64)
@@ -99,9 +99,6 @@ def scan(sources: list[Conversations], check: Check, cache: PrescanCache | None 
             if cache is not None and rank == 0:
                 cache.save(f, known[k])
         return known
-    finally:
-        if group is not None:
-            dist.destroy_process_group(group)
 
 
 def _prime(sources: list[Conversations], check: Check) -> None:
