@@ -25,6 +25,7 @@ import torch
 from bench.busy import busy_report, queue_step
 from bench.flash_impl import activate
 from bench.overlap import comm_summary
+from bench.routing import MODES, use_routing
 from bench.shapes import LLMS
 from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile
 from loom.data.loader import GlobalBatches
@@ -74,8 +75,12 @@ def main() -> None:
                    help="activate this flash attention implementation first (torch.nn.attention."
                         "activate_flash_attention_impl, e.g. FA4): aten's flash ops, so varlen and SDPA's flash "
                         "backend, run it")
+    p.add_argument("--routing", choices=MODES, default="uniform",
+                   help="MoE LLMs: each token's experts drawn uniformly (a trained router's balance; bench/routing.py) "
+                        "or the random-init router's own choice")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config override")
     args = p.parse_args()
+    use_routing(args.routing)
     device = init_distributed("auto")
     if args.flash_impl:
         activate(args.flash_impl)
@@ -133,7 +138,7 @@ def main() -> None:
         "peak_matmul_tflops": round(peak, 1), "mfu": round(tflops / peak, 4) if gpu else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
         "loss": round(result.loss, 4), "params_b": round(job.n_params / 1e9, 3),
-        "recompiles": compiled_frames() - first_frames, **busy,
+        "routing": args.routing, "recompiles": compiled_frames() - first_frames, **busy,
         **comm,  # --comm-report or --profile: exposed communication and rank skew (bench/profiling.py)
         "step_s": round(step_s, 4), "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
         "step_times": [round(t, 4) for t in times],

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from bench.flops import flops_of, peak_matmul_tflops  # noqa: F401 (flops_of: tests/test_bench.py reads it here)
 from bench.overlap import comm_summary
+from bench.routing import MODES, use_routing
 from bench.shapes import AUDIO, LLMS, VIT
 from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile, write_timeline
 from bench.layout_workloads import WORKLOADS, workload_overrides
@@ -100,9 +101,13 @@ def main() -> None:
     p.add_argument("--busy", type=int, default=0,
                    help="loom on one GPU: after the timed steps, this many more queued behind a sleep: the GPU's busy "
                         "fraction by CUDA events (bench/busy.py)")
+    p.add_argument("--routing", choices=MODES, default="uniform",
+                   help="MoE LLMs: each token's experts drawn uniformly (a trained router's balance; bench/routing.py) "
+                        "or the random-init router's own choice")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra loom config override, e.g. --set parallel.reshard_after_forward=false")
     args = p.parse_args()
+    use_routing(args.routing)
     device = init_distributed("auto")
     world = dist.get_world_size() if dist.is_initialized() else 1
     gpu = device.type == "cuda"
@@ -216,6 +221,7 @@ def main() -> None:
             "padding_fraction": _round(contender.padding_fraction(), 4), "loss": round(float(loss), 4),
             "encoder_padding": getattr(contender, "encoder_padding", dict)(),  # filler rows under row budgets
             "params_b": round(contender.n_params / 1e9, 3), "overrides": args.set,
+            "routing": args.routing,
             "recompiles": recompiles,  # frames compiled after the first step, the most on any rank
             "expert_load": expert_load_report(load),  # per MoE layer, the timed steps' tokens per expert
             **bubble,  # --stage-timing: each pipeline rank's bubble against (p-1)/(m+p-1)
