@@ -8,7 +8,8 @@
 # Among a spec's KEY=VALUEs, `eager` drops train.compile and `profile` writes OUT/profile-N.txt.
 # e.g. ". :llm:moe128:1:16384:model.language.num_layers=4  .:mm:moe:2:8192:layout.language.ep=2"
 # stderr of every row goes to OUT/err.log (a call brings back 8 files at most).
-# STEPS (default 6) timed steps after WARMUP (3); LIMIT: seconds a row may take (default 240).
+# STEPS (default 6) timed steps after WARMUP (3); LIMIT: seconds a row may take (default 240); DEVICES: the GPUs
+# (CUDA_VISIBLE_DEVICES) instead of the first GPUS, e.g. to run one-GPU rows side by side.
 set -u
 mkdir -p "$1"; out=$(cd "$1" && pwd); specs=$2; steps=${STEPS:-6}; warmup=${WARMUP:-3}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -29,7 +30,7 @@ for spec in $specs; do
   launch=(python)
   [ "$gpus" -gt 1 ] && launch=(torchrun --standalone --nproc-per-node="$gpus")
   echo "=== row $n: $spec $(date +%T)"
-  (cd "$tree" && CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((gpus - 1))) PYTHONPATH=. timeout "${LIMIT:-240}" \
+  (cd "$tree" && CUDA_VISIBLE_DEVICES=${DEVICES:-$(seq -s, 0 $((gpus - 1)))} PYTHONPATH=. timeout "${LIMIT:-240}" \
     "${launch[@]}" "bench/${bench}_bench.py" "${compiled[@]}" "${extra[@]}" 2>"$out/err.tmp"; cat "$out/err.tmp" >>"$out/err.log") \
     | grep '^{' | sed "s|^{|{\"tree\": \"$tree\", \"spec\": \"$spec\", |" >>"$out/rows.jsonl" \
     || { echo "{\"tree\": \"$tree\", \"spec\": \"$spec\", \"failed\": true}" >>"$out/rows.jsonl"; tail -3 "$out/err.tmp"; }
