@@ -61,7 +61,9 @@ def _ep_block_against_one_process(kernel: str, skewed: bool) -> dict:
             y.backward(g)
         finally:
             dist.all_to_all_single = all_to_all
-        grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in b.named_parameters()}
+        local_ = {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in b.named_parameters()}
+        grads = {n: torch.zeros_like(local_[n]) if p.grad is None else  # no gradient reached it: zeros, to compare
+                 p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in b.named_parameters()}
         results.append((y.detach(), xi.grad, grads, forward))
         sent.clear()
     (y1, gx1, p1, none), (y2, gx2, p2, forward) = results

@@ -1,8 +1,8 @@
 """Expert parallelism's exchange: each token travels once to every EP rank whose experts it chose, and once back.
 
 Source rank. A token's k choices fall on some of the EP group's ranks; it is sent to each of those ranks once, as
-one row, with which of that rank's local experts it chose and their routing weights (`Routing`), in (rank, token)
-order. The rows that come back — one per (token, rank), each already that rank's weighted sum — are summed
+one row, with which of that rank's local experts it chose and their routing weights (`_Route.routing`), in
+(rank, token) order. The rows that come back — one per (token, rank), each already that rank's weighted sum — are summed
 per token over its ranks, lowest rank first (row_moves.py `Copies`: no scatter-add, forward or backward).
 
 Destination rank. Each arrived row is copied once per local expert it chose, in arrival order (source, token,
@@ -37,7 +37,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Trip:
-    """What the combine needs of a dispatch: the copies' weights, both sums' plans and the split sizes."""
+    """What the combine needs of a dispatch: the copies' weights, both sums' plans and the split sizes. It crosses
+    the compiled frame between them untouched: dynamo guards on none of it (tests/test_ep_recompiles.py)."""
 
     weights: torch.Tensor
     arrived: Copies
@@ -59,8 +60,8 @@ def exchange(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tenso
 def _exchange(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor) -> torch.Tensor:
     copies, counts, back, trip = _dispatch(group, ep, x, ids, weights, experts.num_experts)
-    y = experts.compute(copies, counts, *(_local(p) for p in (experts.gate_proj, experts.up_proj,
-                                                                     experts.down_proj)), back=back)
+    weights_ = (_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    y = experts.compute(copies, counts, *weights_, back=back)
     return _combine(group, y, trip)
 
 
@@ -73,20 +74,21 @@ def _dispatch(group: dist.ProcessGroup, ep: int, x: torch.Tensor, ids: torch.Ten
     """The copies this rank's experts compute (arrival order), the copies of each local expert, each copy's place
     in expert order, and what the combine needs."""
     local = num_experts // ep
+    slots = min(ids.shape[1], local)  # the most choices a token can have on one rank: a row's slots
     route = _Route(ids, local, ep)
-    sizes = torch.cat([(route.per_rank > 0).sum(0).unsqueeze(1), route.expert_counts(num_experts),
-                       route.rows_with_more_than(min(route.k, local))], 1)  # [ep, 1 + local + slots]
+    sizes = torch.cat([route.rows_per_rank().unsqueeze(1), route.expert_counts(num_experts),
+                       route.rows_with_more_than(slots)], 1)  # [ep, 1 + local + slots]
     received = torch.empty_like(sizes)  # [source, …]: what each EP rank sends to mine
     dist.all_to_all_single(received, sizes, group=group)
     # the host needs the split sizes and the sums' layer sizes: one read (the grouped kernel reads nothing more)
-    host = torch.cat([sizes[:, 0], received[:, 0], received[:, 1 + local:].sum(0), route.tokens_with_more_than(
-        min(route.k, ep))]).cpu().tolist()
+    host = torch.cat([sizes[:, 0], received[:, 0], received[:, 1 + local:].sum(0),
+                      route.tokens_with_more_than(min(ids.shape[1], ep))]).cpu().tolist()
     send, recv = host[:ep], host[ep:2 * ep]
-    slots = sizes.shape[1] - 1 - local
-    sent = route.sent(send, host[2 * ep + slots:])
+    arrived_layers, sent_layers = host[2 * ep:2 * ep + slots], host[2 * ep + slots:]
+    sent = route.sent(send, sent_layers)
     rows = _AllToAll.apply(gather_copies(x, sent), recv, send, group)
     routing = _AllToAll.apply(route.routing(weights, sum(send), slots), recv, send, group)
-    copies, weight, back, arrived = _arrived(rows, routing, local, host[2 * ep:2 * ep + slots])
+    copies, weight, back, arrived = _arrived(rows, routing, local, arrived_layers)
     # the compiled frame sees row counts with no value to guard on (no 0/1 case, no bound): one graph for all,
     # sized by the copies made here (the balanced case's copies received)
     for t in (copies, back):
@@ -103,7 +105,7 @@ def _combine(group: dist.ProcessGroup, y: torch.Tensor, trip: _Trip) -> torch.Te
 
 
 class _Route:
-    """A source rank's routing seen by EP rank: which ranks each token goes to, and where its rows go."""
+    """A source rank's routing by EP rank: which ranks each token goes to, and where its rows and choices go."""
 
     def __init__(self, ids: torch.Tensor, local: int, ep: int) -> None:
         self.ids, self.local, self.ep = ids, local, ep
@@ -119,6 +121,10 @@ class _Route:
         self.row = self.place.gather(0, rank.t()).t()  # [n, k]
         same = rank.unsqueeze(-1) == rank.unsqueeze(-2)
         self.slot = same.tril(-1).sum(-1)  # [n, k]
+
+    def rows_per_rank(self) -> torch.Tensor:
+        """[ep]: the rows sent to each rank (its tokens)."""
+        return (self.per_rank > 0).sum(0)
 
     def expert_counts(self, num_experts: int) -> torch.Tensor:
         """[ep, local]: the choices of each expert, by the rank holding it."""
@@ -151,13 +157,15 @@ class _Route:
         return Copies(source, tuple(plan), n)
 
     def routing(self, weights: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
-        """[rows, 2 · slots] fp32: per row sent, its chosen local experts' weights then ids (padded: weight 0, id
-        `local`), in choice order. One collective, not two: ids below 2²⁴ are exact in fp32."""
+        """[rows, 2 · slots] (fp32, or the weights' wider dtype): per row sent, its chosen local experts' weights
+        then ids (padded: weight 0, id `local`), in choice order. One collective, not two: ids below 2²⁴ are exact
+        in fp32."""
+        dtype = torch.promote_types(weights.dtype, torch.float32)
         at = (self.row * slots + self.slot).flatten()
         ids = self.ids.new_full((rows * slots,), self.local).index_copy_(0, at, (self.ids % self.local).flatten())
         # the weights' gradient comes back through index_copy's backward: a gather
         w = weights.new_zeros(rows * slots).index_copy(0, at, weights.flatten())
-        return torch.cat([w.float().view(rows, slots), ids.float().view(rows, slots)], 1)
+        return torch.cat([w.to(dtype).view(rows, slots), ids.to(dtype).view(rows, slots)], 1)
 
 
 def _arrived(rows: torch.Tensor, routing: torch.Tensor, local: int,
