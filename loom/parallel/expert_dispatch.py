@@ -152,8 +152,9 @@ class _Route:
         place = self.place.flatten()
         plan = []
         for j, m in enumerate(layers):
-            tokens = by_ways[:m]
-            plan.append((tokens, place.index_select(0, ranks[tokens, j] * n + tokens)))
+            if m:  # sizes from the host: an empty layer costs no kernel
+                tokens = by_ways[:m]
+                plan.append((tokens, place.index_select(0, ranks[:, j].index_select(0, tokens) * n + tokens)))
         return Copies(source, tuple(plan), n)
 
     def routing(self, weights: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
@@ -184,7 +185,7 @@ def _arrived(rows: torch.Tensor, routing: torch.Tensor, local: int,
     back = inverse(expert.argsort(stable=True))  # stable: (expert, source, token), as the rows arrived
     by_copies = per_row.argsort(descending=True, stable=True)
     plan = Copies(row, tuple((by_copies[:m], start.index_select(0, by_copies[:m]) + j) for j, m in
-                             enumerate(layers)), rows.shape[0])
+                             enumerate(layers) if m), rows.shape[0])
     return gather_copies(rows, plan), take_rows(weights.flatten(), slot), back, plan
 
 
