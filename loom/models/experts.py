@@ -4,8 +4,7 @@
 slice is the weight of an nn.Linear, as Hugging Face stores each expert (`experts.e.gate_proj.weight`), so
 loading and export stack or split along dim 0 and nothing is transposed.
 
-`forward` takes each token once with its choices and returns their weighted sum; `compute` runs the experts on
-tokens sorted by expert (or, under expert parallelism, on copies whose sorted places it is told), two ways:
+Two ways to compute the same thing on tokens sorted by expert:
 - ``loop``: one matmul per expert, over its run of tokens (an expert with no token is skipped) — the CPU
   path and the oracle;
 - ``grouped``: one grouped GEMM per projection (`grouped_mm` with the runs' end offsets), no host sync. On
@@ -20,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.models.row_moves import inverse, spread_rows, take_rows
+from loom.models.row_moves import inverse, take_rows
 
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "grouped_mm", None)
 KERNELS = ("auto", "loop", "grouped")
@@ -34,30 +33,19 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.kernel = kernel
-        # the seam expert parallelism fills from outside (parallel/experts.py): (experts, x, expert ids, weights) →
-        # the weighted sums, in place of computing every expert here; None: all experts are this module's
-        self.exchange: Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # the seam expert parallelism fills from outside (parallel/experts.py): (experts, x, counts) → outputs, in
+        # place of computing every expert here; None: all experts are this module's
+        self.exchange: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
         return self.gate_proj.shape[0]
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`x` [n, hidden] tokens, `experts` and `weights` [n, k] each token's choices: [n, hidden], token t's row
-        Σ_j weights[t, j] · expert experts[t, j] (x[t])."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x` [n, hidden]: tokens sorted by expert, `counts` [E] (int) tokens of each expert, in order."""
         if self.exchange is not None:
-            return self.exchange(self, x, experts, weights)
-        # k copies of each token sorted by expert (stable: the same order every run), each expert on its run, and
-        # back by the inverse permutation and a sum over the k (no scatter-add: models/row_moves.py)
-        k = experts.shape[-1]
-        flat = experts.flatten()  # [tokens · k]: token t's choices at t·k … t·k + k − 1
-        order = flat.argsort(stable=True)
-        back = inverse(order)
-        # a static shape [E] (bincount's depends on the data: a graph break under compile); integer adds are exact
-        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
-        y = self.compute(spread_rows(x, order, back, k), counts, self.gate_proj, self.up_proj, self.down_proj)
-        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return take_rows(y, back).view(-1, k, x.shape[-1]).sum(1)
+            return self.exchange(self, x, counts)
+        return self.compute(x, counts, self.gate_proj, self.up_proj, self.down_proj)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                 down: torch.Tensor, back: torch.Tensor | None = None) -> torch.Tensor:

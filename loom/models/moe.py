@@ -1,10 +1,11 @@
 """A mixture-of-experts MLP block: a router (models/router.py), E routed experts (models/experts.py) and
 optional shared experts that every token goes through.
 
-The experts take each token once with its routing (`experts(x, expert ids, weights)`: models/experts.py sorts
-k copies by expert, computes each expert's run and sums each token's weighted outputs, with no scatter-add,
-forward or backward: deterministic on any device). That call goes through the experts' `exchange` seam, which
-expert parallelism sets from outside (parallel/); the model never sees a grid.
+Tokens are sorted by expert (a stable sort: the same order on every run), each expert computes on its run,
+and the results come back to their tokens by the inverse permutation and a sum over each token's k choices
+(no scatter-add, forward or backward: models/row_moves.py; deterministic on any device). `experts(x_sorted,
+counts)` goes through the experts' `exchange` seam, which expert parallelism sets from outside (parallel/); the
+model never sees a grid.
 
 The block also keeps what load balancing needs, off the autograd graph:
 - `tokens_per_expert`: the counted tokens (a sample's own, not padding or filler: `TokenSpans.counted`) each
@@ -31,6 +32,7 @@ from loom.models.experts import Experts, compute_dtype
 from loom.models.layers import SwiGLU
 from loom.data.spans import TokenSpans
 from loom.models.router import Router, Routing, RouterSpec
+from loom.models.row_moves import spread_rows, take_rows
 
 
 @contextlib.contextmanager
@@ -76,8 +78,14 @@ class MoEBlock(nn.Module):
         route = self.gate(x)
         k = route.experts.shape[-1]
         flat = route.experts.flatten()  # [tokens · k]: token t's choices at t·k … t·k + k − 1
-        # cast before any copy is made (autocast's fp32 stream: half the bytes moved, and sent under EP)
-        out = self.experts(x.to(compute_dtype(x)), route.experts, route.weights)
+        order = flat.argsort(stable=True)
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        # a static shape [E] (bincount's depends on the data: a graph break under compile); integer adds are exact
+        counts = flat.new_zeros(self.experts.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        # cast before the k copies are made (autocast's fp32 stream: half the bytes moved, and sent under EP)
+        y = self.experts(spread_rows(x.to(compute_dtype(x)), order, back, k), counts)
+        y = y * route.weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        out = take_rows(y, back).view(-1, k, shape[-1]).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         mask = None if spans is None or spans.counted is None else spans.counted.reshape(-1)

@@ -4,12 +4,10 @@ Autograd's backward of `x[index]` is a scatter-add (index_put with accumulate, o
 atomics, slow in bf16 (2.4 ms a layer at 131K rows of 2048 on an H200) and nondeterministic on CUDA. The MoE
 block knows more about its indices than autograd does — each is a permutation, distinct rows of a padded
 buffer, or k copies of every row in a known order — so each backward here is the inverse move: a gather, or a
-write without accumulation. Copies of rows in no fixed number (`Copies`) are summed in layers, each a write.
+write without accumulation.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -55,57 +53,3 @@ def spread_rows(x: torch.Tensor, order: torch.Tensor, back: torch.Tensor, k: int
 def inverse(perm: torch.Tensor) -> torch.Tensor:
     """The inverse of a permutation of 0 … n − 1 (a scatter of the positions)."""
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-
-
-@dataclass(frozen=True)
-class Copies:
-    """Copies of `rows` rows, some rows more than once (expert parallelism: a token once per EP rank it goes to, an
-    arrived row once per local expert it chose). Copy c is of row `source[c]`; `layers[j]` pairs the rows with
-    more than j copies with where their j-th copy sits, so a row's copies are summed layer by layer: in a fixed
-    order, with no scatter-add."""
-
-    source: torch.Tensor
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    rows: int
-
-
-class _GatherCopies(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: Copies) -> torch.Tensor:
-        ctx.plan = plan
-        return x.index_select(0, plan.source)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _sum_copies(grad, ctx.plan), None
-
-
-class _SumCopies(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, plan: Copies) -> torch.Tensor:
-        ctx.plan = plan
-        return _sum_copies(y, plan)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.index_select(0, ctx.plan.source), None
-
-
-def _sum_copies(y: torch.Tensor, plan: Copies) -> torch.Tensor:
-    # half precision adds in fp32 and rounds once, as a sum over a dimension does
-    acc = torch.float32 if y.dtype in (torch.bfloat16, torch.float16) else y.dtype
-    out = y.new_zeros(plan.rows, *y.shape[1:], dtype=acc)
-    for rows, at in plan.layers:  # each layer's rows distinct: a write, no accumulation
-        out.index_copy_(0, rows, out.index_select(0, rows) + y.index_select(0, at))
-    return out.to(y.dtype)
-
-
-def gather_copies(x: torch.Tensor, plan: Copies) -> torch.Tensor:
-    """`x[plan.source]`: the backward sums each row's copies' gradients (`sum_copies`)."""
-    return _GatherCopies.apply(x, plan)
-
-
-def sum_copies(y: torch.Tensor, plan: Copies) -> torch.Tensor:
-    """[plan.rows, …]: row r the sum of its copies in `y` (its first copy first), zero without one; the backward
-    gathers (`gather_copies`)."""
-    return _SumCopies.apply(y, plan)

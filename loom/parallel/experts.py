@@ -7,12 +7,11 @@ j·E/ep … (j+1)·E/ep − 1; the dp×cp/ep ranks at the same place of each run
 FSDP2 shards them over those. tp ranks stay out of it: they hold the same tokens (gathered under SP), so each
 tp coordinate runs its own EP groups and its experts are replicated over tp like the router and the norms.
 
-How tokens travel (parallel/expert_dispatch.py). The MoE block hands the seam its tokens once, with their expert
-ids and routing weights [n, k]. A token goes once to each EP rank holding any of its experts, as one row with
-which local experts it chose and their weights — not once per choice: at 128 experts, top 8 over ep4 a token
-reaches ~3.6 ranks, so ~55% of the rows were duplicates. The destination copies the row once per chosen local
-expert, computes its experts, weights the outputs and sums a row's copies; one row per (token, rank) comes back
-and the source sums a token's rows. Every sum runs in a fixed order, with no scatter-add: deterministic.
+How tokens travel. The MoE block has sorted its tokens by (global) expert; here the per-expert counts go to
+every rank of the EP group (an even all-to-all), then the tokens by an uneven all-to-all (autograd: its
+backward is the reverse all-to-all), are computed in (local expert, source) order — each row's place there
+computed from the counts, and the grouped kernel moves rows straight to it — and sent home in arrival order.
+Nothing depends on arrival timing: deterministic.
 Under compile the exchange runs eagerly and the experts compile on a row count marked unbacked: the sizes read on
 the host never reach a guard, so no routing recompiles (issue 49; tests/test_ep_recompiles.py).
 
@@ -25,18 +24,19 @@ dense ones (pytorch #160285 had them 2× off); loom verify compares every expert
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from loom.models.experts import Experts
 from loom.models.moe import MoEBlock
-from loom.parallel.expert_dispatch import exchange
 from loom.topology import Grid, Topology
 
 EP_GROUPS = "experts: one copy of all experts (ep)"
@@ -87,5 +87,87 @@ class ExpertParallel(ParallelStyle):
         for name, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
         group, size = mesh.get_group(), mesh.size()
-        module.exchange = functools.partial(exchange, group, size)
+        module.exchange = functools.partial(_dispatch_compute_combine, group, size)
         return module
+
+
+# inductor sizes kernels for an unbacked dim by a hint (8192 unless given); older torch may lack the argument
+_HAS_HINT = "hint_override" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _dispatch_compute_combine(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
+                              counts: torch.Tensor) -> torch.Tensor:
+    """`x` [n, hidden] sorted by global expert, `counts` [E]: the experts' outputs in `x`'s order. Under compile
+    the two exchanges run eagerly and the experts compiled on a row count dynamo treats as unbacked (below)."""
+    if not experts.use_grouped(x):  # the per-expert loop reads its counts on the host: all of it eager
+        return _exchange_eagerly(group, ep, experts, x, counts)
+    return _exchange(group, ep, experts, x, counts)
+
+
+def _exchange(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
+              counts: torch.Tensor) -> torch.Tensor:
+    arrived, received, splits, back = _dispatch(group, ep, x, counts)
+    local = counts.numel() // ep
+    y = experts.compute(arrived, received.view(ep, local).sum(0),
+                        *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)), back=back)
+    return _combine(group, y, splits)
+
+
+_exchange_eagerly = torch.compiler.disable(_exchange)
+
+
+@torch.compiler.disable  # split sizes from the host: as ints in a compiled frame every step's values were guards
+def _dispatch(group: dist.ProcessGroup, ep: int, x: torch.Tensor,
+              counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens this rank's experts compute, in arrival order; `received` [ep · local] (what each source sends
+    each of my experts), the split sizes (a host tensor [send, recv] × ep) and each arrived row's place in
+    expert order."""
+    local = counts.numel() // ep
+    received = torch.empty_like(counts)  # [source rank, local expert]: what each EP rank sends to mine
+    dist.all_to_all_single(received, counts, group=group)
+    # the host needs the split sizes: both directions in one read (the grouped kernel reads nothing more)
+    splits = torch.stack([counts, received]).view(2, ep, local).sum(2).cpu()
+    send, recv = splits.tolist()
+    arrived = _AllToAll.apply(x, recv, send, group)
+    # arrival order is runs of (source, local expert); the experts want (local expert, source): each row's place
+    # there is its run's start in that order plus its offset in the run (no sort; the experts move it there)
+    runs = received.view(ep, local)
+    by_source = runs.flatten().cumsum(0) - runs.flatten()
+    by_expert = (runs.t().flatten().cumsum(0) - runs.t().flatten()).view(local, ep).t().flatten()
+    # output_size from the host's counts: without it repeat_interleave reads its total back (a second sync)
+    run = torch.repeat_interleave(torch.arange(ep * local, device=counts.device), runs.flatten(),
+                                  output_size=sum(recv))
+    back = torch.arange(sum(recv), device=counts.device) + (by_expert - by_source).index_select(0, run)
+    # the compiled frame sees row counts with no value to guard on (no 0/1 case, no bound): one graph for all,
+    # sized by the rows sent (the balanced case's rows received)
+    for t in (arrived, back):
+        torch._dynamo.decorators.mark_unbacked(t, 0, **({"hint_override": x.shape[0]} if _HAS_HINT else {}))
+    return arrived, received, splits, back
+
+
+@torch.compiler.disable
+def _combine(group: dist.ProcessGroup, y: torch.Tensor, splits: torch.Tensor) -> torch.Tensor:
+    """The experts' outputs (in arrival order) home to their source ranks."""
+    send, recv = splits.tolist()  # a host tensor: no device sync
+    return _AllToAll.apply(y, send, recv, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """An uneven all-to-all whose backward is the reverse one; eager and a plain tensor out (functional
+    collectives hand back an AsyncCollectiveTensor, a subclass `mark_unbacked` refuses)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.sizes, ctx.group = (recv, send), group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        recv, send = ctx.sizes
+        return _AllToAll.apply(grad, send, recv, ctx.group), None, None, None

@@ -6,8 +6,7 @@ Per rank and step, each module it hosts costs
     elementwise the activations' bytes written and read again (norms, activations, residual) at memory bandwidth
     tp          4 all-reduces per layer and microbatch of the rank's tokens × width (2 forward, 2 backward)
     cp          the K/V all-gather per layer and microbatch, and its reduce-scatter in backward
-    ep          4 all-to-alls per sparse layer and microbatch (dispatch, combine; forward, backward), a token's row
-                once per EP rank its top_k experts fall on (under uniform routing: `ep_ranks_per_token`)
+    ep          4 all-to-alls per sparse layer and microbatch (dispatch, combine; forward, backward)
     pp          each microbatch's activations sent to the next stage, and their gradient back
     fsdp        all-gather of the module's parameters (per dp×cp group) per microbatch — twice when resharded
                 after forward — and one reduce-scatter of the gradients per step (per microbatch: pp_grad_reduce);
@@ -33,7 +32,6 @@ activations per token per layer (`activation_bytes_per_token_layer`) for the mic
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from loom.plan_search.calibration import Calibration
@@ -62,7 +60,6 @@ class ModuleSizes:
     vocab: int = 0  # the LLM's logits
     sparse_layers: int = 0  # mixture-of-experts layers
     top_k: int = 0
-    num_experts: int = 0
     out_width: int = 0  # an encoder's rows into the LLM (the LLM's hidden size)
 
 
@@ -215,7 +212,7 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     kv_bytes = tokens_mb * cp * 2 * m.kv_width / min(tp, m.kv_heads) * s.dtype_bytes  # gathered: the replica's
     c.seconds["cp"] = runs_per_step * layers * 2 * collective_s(cal, "all_gather", cp, kv_bytes)
     if m.sparse_layers and lay.ep > 1:
-        a2a = tokens_mb * ep_ranks_per_token(m.num_experts, m.top_k, lay.ep) * m.hidden * s.dtype_bytes
+        a2a = tokens_mb * m.top_k * m.hidden * s.dtype_bytes  # each token to its top_k experts' ranks
         sparse = max(1, m.sparse_layers // pp)
         c.seconds["ep"] = runs_per_step * sparse * 4 * collective_s(cal, "all_to_all", lay.ep, a2a)
     if pp > 1:
@@ -342,11 +339,3 @@ def estimate(sizes: dict[str, ModuleSizes], layouts: dict[str, ModuleLayout], s:
     mem = dict(memory.bytes)
     mem["reserved"] = cal.memory_reserved_bytes
     return Estimate(step, w.tokens / step, sum(mem.values()), bubble, dict(worst.seconds), mem)
-
-
-def ep_ranks_per_token(experts: int, top_k: int, ep: int) -> float:
-    """The EP ranks a token's top_k distinct experts fall on, on average under uniform routing: the rows it sends
-    (parallel/expert_dispatch.py: once per rank, not per expert); top_k where the expert count is unknown."""
-    if not experts:
-        return float(top_k)
-    return ep * (1 - math.comb(experts - experts // ep, top_k) / math.comb(experts, top_k))

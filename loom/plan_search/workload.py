@@ -66,8 +66,7 @@ def module_sizes(model) -> dict[str, ModuleSizes]:
     sizes = {"language": ModuleSizes(
         "language", sum(p.numel() for p in model.language.parameters()), experts, matmul_params(model.language),
         lm.num_layers, lm.hidden_size, lm.num_heads * d, lm.num_kv_heads * d, lm.num_kv_heads, mlp_width, 4, True,
-        vocab=lm.vocab_size, sparse_layers=sparse, top_k=lm.num_experts_per_tok if sparse else 0,
-        num_experts=lm.num_experts if sparse else 0)}
+        vocab=lm.vocab_size, sparse_layers=sparse, top_k=lm.num_experts_per_tok if sparse else 0)}
     for name in model.encoder_names:
         enc = model.encoder(name)
         ec = enc.encoder.cfg
