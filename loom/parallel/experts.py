@@ -142,6 +142,13 @@ def _dispatch(group: dist.ProcessGroup, ep: int, x: torch.Tensor,
     run = torch.repeat_interleave(torch.arange(ep * local, device=counts.device), runs.flatten(),
                                   output_size=sum(recv))
     back = torch.arange(sum(recv), device=counts.device) + (by_expert - by_source).index_select(0, run)
+    if sum(recv) == 0:
+        # nothing arrived: one zero row for the last local expert instead (output 0, gradients 0, dropped in
+        # _combine; the cat keeps the all-to-all's backward in the graph), so the compiled experts never run on 0
+        # rows — torch 2.11's inductor kernels fail to launch on an unbacked size of 0 (ZeroDivisionError, 4 H200s)
+        arrived, back = torch.cat([arrived, arrived.new_zeros(1, *arrived.shape[1:])]), back.new_zeros(1)
+        received = received.clone()
+        received[-1] += 1
     # the compiled frame sees row counts with no value to guard on (no 0/1 case, no bound): one graph for all,
     # sized by the rows sent (the balanced case's rows received)
     for t in (arrived, back):
@@ -153,7 +160,8 @@ def _dispatch(group: dist.ProcessGroup, ep: int, x: torch.Tensor,
 def _combine(group: dist.ProcessGroup, y: torch.Tensor, splits: torch.Tensor) -> torch.Tensor:
     """The experts' outputs (in arrival order) home to their source ranks."""
     send, recv = splits.tolist()  # a host tensor: no device sync
-    return _AllToAll.apply(y, send, recv, group)
+    # without the zero row _dispatch puts in when nothing arrived
+    return _AllToAll.apply(y.narrow(0, 0, sum(recv)), send, recv, group)
 
 
 class _AllToAll(torch.autograd.Function):
