@@ -93,37 +93,52 @@ def bin_of_each(
 
     # longest first, ties: more rows, then the lower position (lexsort is stable: positions stay ascending)
     order = np.lexsort((-row_total, -tok))
-    # A replica has a bin with room for t tokens iff its emptiest bin has (`lowest[r] + t <= T`), and the bin
-    # the rule picks — the fewest (tokens, rows, index) among those with room — is then its least bin by that
-    # key over all its bins (the least has the fewest tokens, so it has room whenever any bin has). So each
-    # replica keeps its bins in a heap by that key, and a sample costs two heap replacements (C) instead of a
-    # scan of the replica's M bins: the same choices, sample for sample.
-    replicas_heap = [(0, 0, r) for r in range(replicas)]  # (tokens, rows, replica): sorted, so a heap
-    bins_heap = [[(0, 0, b) for b in range(r * microbatches, (r + 1) * microbatches)] for r in range(replicas)]
-    lowest = [0] * replicas
-    placed = []
-    for i, t, rw in zip(order.tolist(), tok[order].tolist(), row_total[order].tolist()):
-        limit = capacity - t
-        if lowest[replicas_heap[0][2]] > limit:  # the least-loaded replicas have no room: set them aside
-            passed = []  # later (shorter) samples may still fit them
-            while replicas_heap and lowest[replicas_heap[0][2]] > limit:
-                passed.append(heapq.heappop(replicas_heap))
-            if not replicas_heap:  # every bin holds more than T − t: greedy placement is stuck although the total fits
-                raise BatchDoesNotFit(f"no bin has room for {name(i)} ({tokens[i]} tokens); " + advice())
-        else:
-            passed = ()
-        r_tok, r_rows, r = replicas_heap[0]
-        mine = bins_heap[r]
-        b_tok, b_rows, b = mine[0]
-        heapq.heapreplace(mine, (b_tok + t, b_rows + rw, b))
-        lowest[r] = mine[0][0]
-        heapq.heapreplace(replicas_heap, (r_tok + t, r_rows + rw, r))
-        for entry in passed:
-            heapq.heappush(replicas_heap, entry)
-        placed.append(b)
+    placed = _greedy(tok[order].tolist(), row_total[order].tolist(), replicas, microbatches, capacity)
+    if len(placed) < len(tok):  # every bin holds more than T − t: greedy placement is stuck although the total fits
+        i = int(order[len(placed)])
+        raise BatchDoesNotFit(f"no bin has room for {name(i)} ({tokens[i]} tokens); " + advice())
     where = np.empty(len(tok), dtype=np.int64)
     where[order] = placed
     return where
+
+
+def _greedy(tokens: list[int], rows: list[int], replicas: int, microbatches: int, capacity: int) -> list[int]:
+    """The bin of each sample, taken in this order, until one finds no room (the list stops short there).
+
+    A replica has a bin with room for t tokens iff its emptiest bin has (`lowest[r] <= T − t`), and the bin the
+    rule picks — the fewest (tokens, rows, index) among those with room — is then its least bin by that key over
+    all its bins (the least has the fewest tokens, so it has room whenever any bin has). So each replica keeps
+    its bins in a heap, and a sample costs two heap replacements (C) instead of a scan of its replica's M bins
+    and a keyed min: the same choices, sample for sample. A key (tokens, rows, index) is one int,
+    tokens·2^A + rows·2^B + index — rows < 2^(A−B) (no more than the batch's), index < 2^B — which orders as the
+    tuple does at a fraction of a tuple comparison's cost, and adding a sample adds t·2^A + rows·2^B to it."""
+    shift = max(1, (replicas * microbatches).bit_length())  # B
+    high = shift + max(1, sum(rows).bit_length())  # A
+    index = (1 << shift) - 1
+    replicas_heap = list(range(replicas))  # every key (0, 0, r): sorted, so a heap
+    bins_heap = [list(range(r * microbatches, (r + 1) * microbatches)) for r in range(replicas)]
+    lowest = [0] * replicas  # the tokens of each replica's emptiest bin
+    heapreplace, placed = heapq.heapreplace, []
+    for t, rw in zip(tokens, rows):
+        limit, top = capacity - t, replicas_heap[0]
+        passed = ()
+        if lowest[top & index] > limit:  # the least-loaded replicas have no room: set them aside
+            passed = []  # later (shorter) samples may still fit them
+            while replicas_heap and lowest[replicas_heap[0] & index] > limit:
+                passed.append(heapq.heappop(replicas_heap))
+            if not replicas_heap:
+                return placed
+            top = replicas_heap[0]
+        add, r = (t << high) + (rw << shift), top & index
+        mine = bins_heap[r]
+        key = mine[0]
+        heapreplace(mine, key + add)
+        lowest[r] = mine[0] >> high
+        heapreplace(replicas_heap, top + add)
+        for entry in passed:
+            heapq.heappush(replicas_heap, entry)
+        placed.append(key & index)
+    return placed
 
 
 def always_fits(batch_size: int, max_len: int, n_bins: int, capacity: int) -> bool:
