@@ -12,6 +12,9 @@ sample of each other, but a replica sums M bins, so replicas may drift apart by 
 the replica first keeps replicas within one sample (max − min ≤ the longest sample) whenever capacity does
 not bind, and a placement still fails only when no bin anywhere has room. Why not balance replicas first
 (capacity M·T) and split each into M bins afterwards: that split can fail even though the batch fits.
+
+Cost: one Python step per sample, two heap replacements of int keys (`_greedy`); every rank runs it over the whole
+global batch each step (8,192 samples: ~6 ms; tests/bins_oracle.py is the scan it replaced, same bins).
 """
 
 from __future__ import annotations
