@@ -117,3 +117,11 @@ def test_a_rank_draws_its_shard_alone_in_place():
     assert row["shard_rows"] == [0, 2] and row["shard_mib"] == 112.0
     assert row["drawn_mib"] == row["shard_mib"], row
     assert row["peak_over_shard"] < 1.5, row
+
+
+def test_a_part_is_written_only_into_fp32_of_its_shape():
+    lin = nn.Linear(16, 40, device="meta")
+    for wrong in (torch.empty(10, 16, dtype=torch.bfloat16), torch.empty(9, 16)):
+        with pytest.raises(RuntimeError, match="fp32 of the part's shape only"):
+            initial_value("language.w", lin, "weight", torch.Size((40, 16)), 7, torch.device("cpu"), 0.02,
+                          (slice(0, 10), slice(0, 16)), wrong)

@@ -51,8 +51,11 @@ def initial_value(name: str, owner: nn.Module, attr: str, shape: torch.Size, see
     part = tuple(b.stop - b.start for b in box)
     if out is None:
         out = torch.empty(part, device=device)
-    elif tuple(out.shape) != part:  # a wrong target would be filled without complaint
-        raise RuntimeError(f"{name}: a part {part} of {tuple(shape)} written into a tensor {tuple(out.shape)}")
+    # a target of another shape would be filled without complaint; one of another dtype would get other values than
+    # the fp32 draw (which a block drawn apart, in fp32, holds): every layout must see the same
+    elif tuple(out.shape) != part or out.dtype != torch.float32:
+        raise RuntimeError(f"{name}: a part {part} of {tuple(shape)} written into a {out.dtype} tensor "
+                           f"{tuple(out.shape)} (fp32 of the part's shape only)")
     if isinstance(owner, (RMSNorm, nn.LayerNorm)):
         return out.fill_(1.0) if attr == "weight" else out.zero_()
     if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding)) and attr != "weight":

@@ -106,8 +106,10 @@ def materialize(model: nn.Module, device: torch.device, weights: WeightSource,
             if local.numel() == 0:  # an uneven split left this rank nothing of it
                 continue
             owner_name, _, attr = name.rpartition(".")
+            # drawn in place only into fp32 (the draws' dtype); another dtype gets a value to copy, cast
+            into = local if local.dtype == torch.float32 else None
             value = weights.part(renames.get(name, name), model.get_submodule(owner_name), attr, t.shape, box,
-                                 local.device, is_buffer, into=local)
+                                 local.device, is_buffer, into=into)
             if value is None or value is local:  # kept, or written in place (a drawn part)
                 continue
             if value.shape != local.shape:  # copy_ would broadcast a wrong part silently
