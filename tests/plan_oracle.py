@@ -1,10 +1,12 @@
 """The list planner that train/step_parts.py replaced (loom at e531c30, train/inputs.py `split_llm`,
-`split_encoder`, `balanced_runs`), kept as the oracle the array planner must equal, sample for sample."""
+`split_encoder`, `balanced_runs`), kept as the oracle the array planner must equal, sample for sample; its packer is
+the one data/bins.py replaced (tests/bins_oracle.py), so the whole placement is checked against the old one."""
 
 from __future__ import annotations
 
+from bins_oracle import assign_bins
+
 from loom.config import JobConfig
-from loom.data.bins import assign_bins
 from loom.train.length_rules import item_groups
 
 

@@ -79,3 +79,49 @@ def test_every_layout_starts_from_the_reference_weights_drawn_in_blocks(worlds):
     overrides = ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2",
                  "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]
     assert_all_passed("dp2xtp2-blocks", worlds.run(4, _verify_with_small_blocks, overrides, timeout=300), 1)
+
+
+@pytest.mark.parametrize("box", [(slice(0, 40), slice(0, 16)), (slice(8, 20), slice(0, 16)),
+                                 (slice(10, 21), slice(0, 16)), (slice(3, 37), slice(5, 11))])
+def test_a_part_written_into_a_tensor_is_the_part_drawn_apart(small_blocks, box):
+    """`out`: the blocks wholly inside the box are drawn in place, those its edges cut apart then copied; either
+    way the values are those of a new tensor (and so of the whole draw), and `out` itself comes back."""
+    lin = nn.Linear(16, 40, device="meta")  # 4 rows per block: boxes aligned to blocks, cut by them, and columns
+    apart = _value(lin, (40, 16), box)
+    into = torch.full(apart.shape, float("nan"))
+    got = initial_value("language.w", lin, "weight", torch.Size((40, 16)), 7, torch.device("cpu"), 0.02, box, into)
+    assert got is into and torch.equal(into, apart)
+    norm = nn.LayerNorm(16, device="meta")  # not drawn: ones and zeros, written in place too
+    ones = torch.empty(16)
+    assert initial_value("n", norm, "weight", torch.Size((16,)), 7, torch.device("cpu"), None, None, ones) is ones
+    assert torch.equal(ones, torch.ones(16))
+
+
+def test_a_rank_draws_its_shard_alone_in_place():
+    """bench/init_memory.py's case in small: rank 0 of 8 ranks, FSDP2 over all 8, materialises its 2 experts of a
+    [16, 2048, 7168] tensor (112 MiB of 896). The generators draw the shard's rows only (a whole draw: 8×), and the
+    process's peak while it does is the shard plus a little — drawing into a new tensor and copying it into the
+    rank's own would peak at 2 shards (the code before the bench), the whole tensor at 9."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "bench/init_memory.py", "--world", "8", "--split", "fsdp", "--experts",
+                          "16"], cwd=root, capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = json.loads(run.stdout.strip().splitlines()[-1])
+    assert row["shard_rows"] == [0, 2] and row["shard_mib"] == 112.0
+    assert row["drawn_mib"] == row["shard_mib"], row
+    assert row["peak_over_shard"] < 1.5, row
+
+
+def test_a_part_is_written_only_into_fp32_of_its_shape():
+    lin = nn.Linear(16, 40, device="meta")
+    for wrong in (torch.empty(10, 16, dtype=torch.bfloat16), torch.empty(9, 16)):
+        with pytest.raises(RuntimeError, match="fp32 of the part's shape only"):
+            initial_value("language.w", lin, "weight", torch.Size((40, 16)), 7, torch.device("cpu"), 0.02,
+                          (slice(0, 10), slice(0, 16)), wrong)

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from loom.job import load_config
+from loom.data.bins import DoesNotFit, SampleTooLong, bin_stats
 from loom.data.conversations import BadSample
 from loom.data.shape_arrays import ShapeArrays
 from loom.data.shape_table import ShapeTable
 from loom.data.shapes import SampleShape
 from loom.train.length_rules import fitting
-from loom.train.step_parts import Parts, fitting_arrays, split_encoder_parts, split_llm_parts
+from loom.train.step_parts import Parts, fitting_arrays, split_encoder_parts, split_llm_parts, step_bin_stats
 from plan_oracle import split_encoder, split_llm
 
 ENCODERS = ["vision", "audio"]
@@ -69,6 +70,11 @@ def test_the_array_planner_places_every_sample_as_the_list_planner(dp, m, budget
                             np.array(indices))
     expected = split_llm(tokens, rows, dp, cfg, indices)
     assert [p.lists() for p in parts] == expected
+    if budget:  # the step's metrics summed over the arrays, as bin_stats gives them from the bins as lists
+        bins = [expected[k][r] for r in range(dp) for k in range(m)]
+        real = [sh.tokens for sh in shapes]
+        assert step_bin_stats(parts, np.array(real), {e: np.array(r) for e, r in rows.items()}, budget) == \
+            bin_stats(bins, real, rows, m, budget)
     for llm, old in zip(parts, expected):
         for e in ENCODERS:
             for enc_dp in enc_dps:
@@ -77,6 +83,54 @@ def test_the_array_planner_places_every_sample_as_the_list_planner(dp, m, budget
                 assert enc.lists() == old_enc, (e, enc_dp)
                 assert enc.sums(np.array(rows[e])) == [sum(rows[e][p] for p in ps) for ps in old_enc]
             assert llm.sums(np.array(rows[e])) == [sum(rows[e][p] for p in ps) for ps in old]
+
+
+def test_the_steps_bin_metrics_are_bin_stats_of_the_bins():
+    """Fewer items than bins (empty bins) to many; the metrics summed over arrays equal data/bins.py's bin_stats over
+    the list planner's bins, float for float."""
+    empties = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        dp, m = rng.randint(1, 5), rng.randint(1, 4)
+        shapes, indices = _batch(rng, rng.randint(0, 2 * dp * m), seed % 2 == 1, 100)
+        tokens = [-(-sh.tokens // 8) * 8 for sh in shapes]
+        rows = {e: [sum(sh.item_rows(e)) for sh in shapes] for e in ENCODERS}
+        cfg = _cfg(f"--train.microbatches={m}", "--data.tokens_per_microbatch=1024", "--train.global_batch_size=8")
+        expected = split_llm(tokens, rows, dp, cfg, indices)
+        parts = split_llm_parts(np.array(tokens, dtype=np.int64), {e: np.array(r, dtype=np.int64) for e, r in
+                                                                   rows.items()}, dp, m, 1024, np.array(indices))
+        bins = [expected[k][r] for r in range(dp) for k in range(m)]
+        real = [sh.tokens for sh in shapes]
+        got = step_bin_stats(parts, np.array(real, dtype=np.int64), {e: np.array(r, dtype=np.int64) for e, r in
+                                                                     rows.items()}, 1024)
+        assert got == bin_stats(bins, real, rows, m, 1024), seed
+        empties += got.empty_bins
+    assert empties > 20
+
+
+def test_a_batch_that_does_not_fit_is_named_as_the_list_planner_names_it():
+    """Budgets from loose to too small: the same placement, or the same error naming the same dataset index."""
+    seen = {"placed": 0, "too long": 0, "does not fit": 0}
+    for seed in range(60):
+        rng = random.Random(seed)
+        shapes, indices = _batch(rng, 24, seed % 2 == 1, 120)
+        tokens = [-(-sh.tokens // 8) * 8 for sh in shapes]
+        rows = {e: [sum(sh.item_rows(e)) for sh in shapes] for e in ENCODERS}
+        arrays = {e: np.array(r) for e, r in rows.items()}
+        budget = rng.choice([max(tokens) + rng.randint(0, 240), max(tokens) // 2, max(tokens)])
+        cfg = _cfg("--train.microbatches=2", f"--data.tokens_per_microbatch={budget}", "--train.global_batch_size=8")
+        try:
+            expected = split_llm(tokens, rows, 3, cfg, indices)
+        except DoesNotFit as e:
+            with pytest.raises(type(e)) as got:
+                split_llm_parts(np.array(tokens), arrays, 3, 2, budget, np.array(indices))
+            assert str(got.value) == str(e)
+            seen["too long" if isinstance(e, SampleTooLong) else "does not fit"] += 1
+            continue
+        assert [p.lists() for p in split_llm_parts(np.array(tokens), arrays, 3, 2, budget, np.array(indices))] == \
+            expected
+        seen["placed"] += 1
+    assert min(seen.values()) >= 5, seen
 
 
 @pytest.mark.parametrize("seed", range(8))

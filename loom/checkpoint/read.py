@@ -32,9 +32,9 @@ class CheckpointWeights:
                                   f"({len(missing)} of the {len(names)} tensors its config's model has)")
 
     def part(self, name: str, owner, attr: str, shape: torch.Size, box: tuple[slice, ...], device: torch.device,
-             is_buffer: bool) -> torch.Tensor | None:
+             is_buffer: bool, into: torch.Tensor | None = None) -> torch.Tensor | None:
         """The part `box` of weight `name` (materialize's weight-source call); a buffer it lacks keeps its
-        computed value."""
+        computed value. `into` goes unused: the part read is a tensor of its own, which materialize copies."""
         if name not in self._saved_names:
             if is_buffer:
                 return None

@@ -6,7 +6,9 @@ construction order — that order, and which tensors a rank holds, change with t
 parameter is drawn from generators seeded by (seed, its one-process name): a tensor of at most `DRAW_BLOCK`
 elements in one draw, a larger one in blocks of whole rows (dim 0), block b from (seed, name, b); a rank draws
 only the blocks its part overlaps (not the whole tensor: a DeepSeek-V3 stacked expert weight is 15 GB), and
-every layout, and the one-process reference, start from the same weights.
+every layout, and the one-process reference, start from the same weights. Given the rank's own tensor (`out`),
+a block that lies wholly in its part is drawn where it goes, so a rank's start-up holds its shard plus at most one
+block of rows (a block its part's edges cut: drawn whole, then copied) — not a second copy of the shard.
 
 The rules are torch's own defaults (nn.Linear / Conv: U(±1/√fan_in); nn.Embedding: N(0, 1); norms: ones and
 zeros), except that the LLM's linear and embedding weights are N(0, init_std) with zero biases, as Llama and
@@ -40,17 +42,25 @@ Box = tuple[slice, ...]
 
 
 def initial_value(name: str, owner: nn.Module, attr: str, shape: torch.Size, seed: int, device: torch.device,
-                  llm_std: float | None, box: Box | None = None) -> torch.Tensor:
+                  llm_std: float | None, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The part `box` (one slice per dim; None: the whole) of the initial tensor `owner.<attr>` (one-process
     name `name`, whole shape `shape`), fp32 on `device`. `llm_std`: the LLM's init_std when the tensor belongs to
-    the LLM, else None. The same (seed, name, device type) always gives the same values, whatever the box."""
+    the LLM, else None. The same (seed, name, device type) always gives the same values, whatever the box.
+    `out`: a tensor of the part's shape to write the values into (returned), in place of a new one."""
     box = tuple(slice(0, n) for n in shape) if box is None else box
     part = tuple(b.stop - b.start for b in box)
+    if out is None:
+        out = torch.empty(part, device=device)
+    # a target of another shape would be filled without complaint; one of another dtype would get other values than
+    # the fp32 draw (which a block drawn apart, in fp32, holds): every layout must see the same
+    elif tuple(out.shape) != part or out.dtype != torch.float32:
+        raise RuntimeError(f"{name}: a part {part} of {tuple(shape)} written into a {out.dtype} tensor "
+                           f"{tuple(out.shape)} (fp32 of the part's shape only)")
     if isinstance(owner, (RMSNorm, nn.LayerNorm)):
-        return torch.ones(part, device=device) if attr == "weight" else torch.zeros(part, device=device)
+        return out.fill_(1.0) if attr == "weight" else out.zero_()
     if llm_std is not None and isinstance(owner, (nn.Linear, nn.Embedding)) and attr != "weight":
-        return torch.zeros(part, device=device)
-    return _drawn(name, shape, box, seed, device, _rule(name, owner, attr, llm_std))
+        return out.zero_()
+    return _drawn(name, shape, box, seed, device, _rule(name, owner, attr, llm_std), out)
 
 
 def _rule(name: str, owner: nn.Module, attr: str, llm_std: float | None):
@@ -72,21 +82,31 @@ def _rule(name: str, owner: nn.Module, attr: str, llm_std: float | None):
                     f"loom/models/init.py::initial_value")
 
 
-def _drawn(name: str, shape: torch.Size, box: Box, seed: int, device: torch.device, fill) -> torch.Tensor:
-    """`box` of the tensor the blocks' draws make: only the blocks of rows the box overlaps are drawn."""
+def _drawn(name: str, shape: torch.Size, box: Box, seed: int, device: torch.device, fill,
+           out: torch.Tensor) -> torch.Tensor:
+    """`box` of the tensor the blocks' draws make, written into `out`: only the blocks of rows the box overlaps
+    are drawn; one that lies wholly in the box is drawn in place (a generator fills a contiguous view with the
+    values it fills a new tensor of that shape with), one the box cuts into a block of its own, then copied."""
     row = math.prod(shape[1:])
     rows_per_block = max(1, DRAW_BLOCK // max(1, row))
+    whole_rows = out.is_contiguous() and all(b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:]))
     if not shape or shape[0] <= rows_per_block:  # one draw, the whole tensor
+        if whole_rows and (not shape or (box[0].start == 0 and box[0].stop == shape[0])):
+            fill(out, torch.Generator(device=device).manual_seed(name_seed(seed, name)))
+            return out
         whole = torch.empty(shape, device=device)
         fill(whole, torch.Generator(device=device).manual_seed(name_seed(seed, name)))
-        return whole[box]
+        return out.copy_(whole[box])
     first, stop = box[0].start, box[0].stop
-    out = torch.empty(tuple(b.stop - b.start for b in box), device=device)
     for b in range(first // rows_per_block, -(-stop // rows_per_block)):
         lo, hi = b * rows_per_block, min(shape[0], (b + 1) * rows_per_block)
-        block = torch.empty((hi - lo, *shape[1:]), device=device)
-        fill(block, torch.Generator(device=device).manual_seed(name_seed(seed, f"{name}#{b}")))
+        gen = torch.Generator(device=device).manual_seed(name_seed(seed, f"{name}#{b}"))
         a, z = max(lo, first), min(hi, stop)  # the box's rows in this block
+        if whole_rows and (a, z) == (lo, hi):
+            fill(out[a - first : z - first], gen)
+            continue
+        block = torch.empty((hi - lo, *shape[1:]), device=device)
+        fill(block, gen)
         out[a - first : z - first] = block[(slice(a - lo, z - lo), *box[1:])]
     return out
 

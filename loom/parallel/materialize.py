@@ -4,9 +4,10 @@ A job never builds its model whole: `build_job_model` makes it on the meta devic
 layout there (TP and FSDP2 turn the parameters into DTensors of meta shards), and `materialize` then gives
 this rank storage for what it holds and writes each tensor's local part — read from the module's Hugging
 Face folder (only that part of the file), or drawn from generators seeded by the tensor's name, only the
-blocks of rows its part overlaps (models/init.py). So a rank's memory at start-up is its shards plus one block,
-and every layout starts from the weights the one-process reference starts from (loom verify compares them after
-every step).
+blocks of rows its part overlaps (models/init.py), into the rank's own tensor. So a rank's memory at start-up
+is its shards plus at most one block of rows, not a second copy of a shard (bench/init_memory.py), and every
+layout starts from the weights the one-process reference starts from (loom verify compares them after every
+step).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class WeightSource(Protocol):
     def check_holds(self, names: set[str]) -> None: ...
 
     def part(self, name: str, owner: nn.Module, attr: str, shape: torch.Size, box: tuple[slice, ...],
-             device: torch.device, is_buffer: bool) -> torch.Tensor | None: ...
+             device: torch.device, is_buffer: bool, into: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
     def close(self) -> None: ...
 
@@ -49,8 +50,9 @@ class InitialWeights:
         pass  # every weight has a start: a folder checked its names and shapes when opened, a draw covers the rest
 
     def part(self, name: str, owner: nn.Module, attr: str, shape: torch.Size, box: tuple[slice, ...],
-             device: torch.device, is_buffer: bool) -> torch.Tensor | None:
-        """The part `box` of tensor `name` (whole shape `shape`), or None to keep what it holds."""
+             device: torch.device, is_buffer: bool, into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The part `box` of tensor `name` (whole shape `shape`), or None to keep what it holds. A drawn part is
+        written into `into` (the rank's tensor, when given) and `into` returned: no second copy of the shard."""
         for prefix, weights in self.folders.items():
             local = name[len(prefix):]
             if name.startswith(prefix) and local in weights:
@@ -58,16 +60,16 @@ class InitialWeights:
                 if box[0].stop <= have:
                     return weights.read(local, box)
                 # a grown vocabulary: rows past the folder's are drawn, the rest read
-                value = self._drawn(name, owner, attr, shape, box, device)
+                value = self._drawn(name, owner, attr, shape, box, device, into)
                 if box[0].start < have:
                     value[: have - box[0].start] = weights.read(local, (slice(box[0].start, have), *box[1:]))
                 return value
-        return None if is_buffer else self._drawn(name, owner, attr, shape, box, device)
+        return None if is_buffer else self._drawn(name, owner, attr, shape, box, device, into)
 
     def _drawn(self, name: str, owner: nn.Module, attr: str, shape: torch.Size, box: tuple[slice, ...],
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, into: torch.Tensor | None) -> torch.Tensor:
         llm_std = self.llm_std if name.startswith("language.") else None
-        return initial_value(name, owner, attr, shape, self.seed, device, llm_std, box)
+        return initial_value(name, owner, attr, shape, self.seed, device, llm_std, box, into)
 
     def close(self) -> None:
         for weights in self.folders.values():
@@ -104,9 +106,11 @@ def materialize(model: nn.Module, device: torch.device, weights: WeightSource,
             if local.numel() == 0:  # an uneven split left this rank nothing of it
                 continue
             owner_name, _, attr = name.rpartition(".")
+            # drawn in place only into fp32 (the draws' dtype); another dtype gets a value to copy, cast
+            into = local if local.dtype == torch.float32 else None
             value = weights.part(renames.get(name, name), model.get_submodule(owner_name), attr, t.shape, box,
-                                 local.device, is_buffer)
-            if value is None:
+                                 local.device, is_buffer, into=into)
+            if value is None or value is local:  # kept, or written in place (a drawn part)
                 continue
             if value.shape != local.shape:  # copy_ would broadcast a wrong part silently
                 raise RuntimeError(f"{name}: initial part {tuple(value.shape)} for a local shard {tuple(local.shape)}")

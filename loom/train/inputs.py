@@ -26,7 +26,6 @@ import torch
 from loom.bridge.replica_rows import ReplicaRows
 from loom.config import JobConfig
 from loom.data.batch import Batch, pad_samples, round_up, supervised_sequences
-from loom.data.bins import bin_stats
 from loom.data.format import TokenCounter
 from loom.data.packing import pack_samples, packed_length
 from loom.data.mrope import with_mrope_positions
@@ -36,7 +35,7 @@ from loom.data.shape_arrays import ShapeArrays
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.tokenizer import Vocabulary
 from loom.train.length_rules import limit
-from loom.train.step_parts import rounded, split_encoder_parts, split_llm_parts
+from loom.train.step_parts import rounded, split_encoder_parts, split_llm_parts, step_bin_stats
 from loom.data.spans import FILLER_PIECES, TokenSpans
 
 COMPILED_TOKEN_MULTIPLE = 64
@@ -203,9 +202,7 @@ def plan_shapes(shapes: ShapeArrays | list[SampleShape], indices: list[int] | np
         micro.append(StepBatch(llm, items, counts, item_rows))
     stats = {}
     if cfg.data.tokens_per_microbatch:
-        bins = [parts[k].run(r) for r in range(llm_dp) for k in range(len(parts))]  # replica-major, as packed
-        stats = bin_stats(bins, shapes.tokens.tolist(), {n: r.tolist() for n, r in work.items()}, len(parts),
-                          length).as_dict()
+        stats = step_bin_stats(parts, shapes.tokens, work, length).as_dict()
     return StepInputs(micro, int(shapes.targets.sum()), real, stats, int(shapes.tokens.sum()),
                       {int(indices[p]): message for p, message in failed.items()}, indices.tolist(),
                       sequences=int((shapes.targets > 0).sum()), lengths=shapes.tokens.tolist(),

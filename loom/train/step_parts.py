@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loom.config import JobConfig
-from loom.data.bins import assign_bins
+from loom.data.bins import BinStats, bin_of_each, stats_of_loads
 from loom.data.shape_arrays import ShapeArrays
 from loom.train.length_rules import fitting, limit
 
@@ -42,8 +42,11 @@ class Parts:
 
     def sums(self, values: np.ndarray) -> list[int]:
         """Each run's total of `values` (one per position)."""
+        return self.totals(values).tolist()
+
+    def totals(self, values: np.ndarray) -> np.ndarray:
         totals = np.concatenate([[0], np.cumsum(values[self.order])])
-        return (totals[self.bounds[1:]] - totals[self.bounds[:-1]]).tolist()
+        return totals[self.bounds[1:]] - totals[self.bounds[:-1]]
 
     def lists(self) -> list[list[int]]:
         return [self.run(j) for j in range(len(self))]
@@ -100,17 +103,19 @@ def split_llm_parts(tokens: np.ndarray, rows: dict[str, np.ndarray], dp: int, mi
     starts = item_starts(indices)
     sizes = np.diff(np.concatenate([starts, [n]])).astype(np.int64)
     if budget:
-        item_tokens = np.add.reduceat(tokens, starts).tolist() if n else []
-        item_rows = {e: (np.add.reduceat(r, starts).tolist() if n else []) for e, r in rows.items()}
-        bins = assign_bins(item_tokens, item_rows, dp, m, budget, indices[starts].tolist())
-        per_bin = [np.asarray(b, dtype=np.int64) for b in bins]
+        item_tokens = np.add.reduceat(tokens, starts) if n else np.zeros(0, np.int64)
+        item_rows = {e: (np.add.reduceat(r, starts) if n else np.zeros(0, np.int64)) for e, r in rows.items()}
+        where = bin_of_each(item_tokens, item_rows, dp, m, budget, _Named(indices, starts))
+        # microbatch k holds replica r's bin r·M + k: the items ordered by (k, r), ascending inside a bin (a stable
+        # sort keeps them so), then cut per microbatch, each cut per replica
+        slot = (where % m) * dp + where // m
+        items = np.argsort(slot, kind="stable")
+        placed = ranges(starts[items], sizes[items])  # a run per item
+        per_slot = np.concatenate([[0], np.cumsum(np.bincount(slot, minlength=m * dp))]).astype(np.int64)
         out = []
-        for k in range(m):  # microbatch k: replica r's bin r·M + k, its items' positions in order
-            items = [per_bin[r * m + k] for r in range(dp)]
-            flat = np.concatenate(items) if items else np.zeros(0, np.int64)
-            placed = ranges(starts[flat], sizes[flat])  # run per item
-            per_replica = np.concatenate([[0], np.cumsum([len(b) for b in items])]).astype(np.int64)
-            out.append(Parts(placed.order, placed.bounds[per_replica]))
+        for k in range(m):
+            bounds = placed.bounds[per_slot[k * dp:(k + 1) * dp + 1]]
+            out.append(Parts(placed.order[bounds[0]:bounds[-1]], bounds - bounds[0]))
         return out
     # equal contiguous shares of the items (validated: the global batch divides into dp · M); after skips, nearly
     n_shares, g = dp * m, len(starts)
@@ -121,6 +126,29 @@ def split_llm_parts(tokens: np.ndarray, rows: dict[str, np.ndarray], dp: int, mi
         j = np.arange(dp, dtype=np.int64) * m + k  # replica r's share of microbatch k
         out.append(ranges(first[j], first[j + 1] - first[j]))
     return out
+
+
+class _Named:
+    """Item i's dataset index, looked up only when an error names it (the packer's `indices`): a list of the global
+    batch's indices per step would cost what the packer saves."""
+
+    def __init__(self, indices: np.ndarray, starts: np.ndarray) -> None:
+        self.indices, self.starts = indices, starts
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.indices[self.starts[i]])
+
+
+def step_bin_stats(parts: list[Parts], tokens: np.ndarray, rows: dict[str, np.ndarray], capacity: int) -> BinStats:
+    """data/bins.py `bin_stats` of the packed bins (`parts[k].run(r)`: replica r's microbatch k), each replica's
+    totals summed in numpy rather than a list per bin for the whole global batch."""
+
+    def loads(values: np.ndarray) -> list[int]:
+        return np.sum([p.totals(values) for p in parts], axis=0, dtype=np.int64).tolist()
+
+    empty = sum(int((np.diff(p.bounds) == 0).sum()) for p in parts)
+    return stats_of_loads(loads(tokens), {n: loads(r) for n, r in rows.items()}, sum(len(p) for p in parts), empty,
+                          capacity)
 
 
 def split_encoder_parts(llm: Parts, rows: np.ndarray, dp: int) -> Parts:
