@@ -192,7 +192,11 @@ def _run(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor, c
     return _home(combined, send, recv, group)
 
 
-# the grouped kernel: this frame eager, the experts it calls compiled (a frame of their own)
+# the grouped kernel: this frame eager, the experts it calls compiled (a frame of their own). The wrapper makes a
+# traced caller break its graph at the call; skipping the code itself keeps dynamo from looking at (and counting:
+# tests/test_ep_recompiles.py) the frame on every call, which the wrapper alone leaves it doing
 chunked_exchange = torch.compiler.disable(_run, recursive=False)
+if hasattr(torch._dynamo.eval_frame, "skip_code"):
+    torch._dynamo.eval_frame.skip_code(_run.__code__)
 # the per-expert loop reads its counts on the host: all of it eager
 chunked_exchange_eagerly = torch.compiler.disable(_run)
