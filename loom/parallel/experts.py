@@ -11,7 +11,8 @@ How tokens travel. The MoE block has sorted its tokens by (global) expert; here 
 every rank of the EP group (an even all-to-all), then the tokens by an uneven all-to-all (autograd: its
 backward is the reverse all-to-all), are computed in (local expert, source) order — each row's place there
 computed from the counts, and the grouped kernel moves rows straight to it — and sent home in arrival order.
-Nothing depends on arrival timing: deterministic.
+Nothing depends on arrival timing: deterministic. With `parallel.ep_chunks` > 1 the block's tokens come in chunks,
+each exchanged by async all-to-alls that overlap the experts' compute of the others (parallel/expert_chunks.py).
 Under compile the exchange runs eagerly and the experts compile on a row count marked unbacked: the sizes read on
 the host never reach a guard, so no routing recompiles (issue 49; tests/test_ep_recompiles.py).
 
