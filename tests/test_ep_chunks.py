@@ -13,7 +13,7 @@ def _chunked_block_timeline(chunks: int, skewed: bool) -> dict:
     """On each of 2 ranks: one MoE block with its experts split over ep 2, exchanged in one piece and in `chunks`;
     the largest differences of output and gradients between the two, and the chunked run's timeline: every
     all-to-all started and waited (`start d0`, `wait c1`: dispatch / combine of a chunk, `rd0`, `rc1` their reverse
-    in backward) and every chunk's experts run forward (`experts 0`) and backward (`experts' 0`)."""
+    in backward) and every chunk's experts called forward (`experts 0`) and about to differentiate (`experts' 0`)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -57,10 +57,14 @@ def _chunked_block_timeline(chunks: int, skewed: bool) -> dict:
         events.append(f"wait {names[id(self)]}")
         return finish(self)
 
-    def marked_combine(y, recv, send, group):
+    def marked_compute(*args):
         chunk = sum(e.startswith("experts ") for e in events)
         events.append(f"experts {chunk}")
+        y = compute(*args)
         y.register_hook(lambda g: events.append(f"experts' {chunk}"))  # the chunk's experts differentiate next
+        return y
+
+    def marked_combine(y, recv, send, group):
         piece = y.narrow(0, 0, sum(recv))
         piece._combined = True
         return ec._dispatch(piece, send, recv, group)
@@ -70,8 +74,9 @@ def _chunked_block_timeline(chunks: int, skewed: bool) -> dict:
         torch.manual_seed(1 + dist.get_rank())
         x, g = torch.randn(12, 16), torch.randn(12, 16)
         chunked = b.experts.chunks > 1
-        if chunked:
+        if chunked:  # the loop kernel on CPU: `_run` calls the module's compute
             ec._InFlight.start, ec._InFlight.finish, ec._combine = named_start, named_finish, marked_combine
+            compute, b.experts.compute = b.experts.compute, marked_compute
         try:
             xi = x.clone().requires_grad_()
             y = b(xi)
@@ -105,6 +110,7 @@ def test_chunks_equal_one_exchange_and_overlap_it(worlds, chunks, skewed):
         last = chunks - 1
         for c in range(chunks):  # forward
             assert at[f"start d{c}"] < at[f"wait d{c}"] < at[f"experts {c}"] < at[f"start c{c}"], events
+            assert c == last or at[f"start c{c}"] < at[f"experts {c + 1}"], f"combine {c} after {c + 1}: {events}"
             if c < last:
                 assert at[f"start d{c + 1}"] < at[f"experts {c}"], f"chunk {c + 1} not dispatched during {c}: {events}"
             assert at[f"experts {last}"] < at[f"wait c{c}"] < split, f"combine {c} waited too early: {events}"
