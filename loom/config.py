@@ -245,6 +245,7 @@ def check_values(cfg: JobConfig) -> None:
             "data.pad_to_multiple": d.pad_to_multiple,
             "data.prefetch_steps": d.prefetch_steps,
             "parallel.blocks_per_unit": cfg.parallel.blocks_per_unit,
+            "parallel.ep_chunks": cfg.parallel.ep_chunks,
             "parallel.timeout_s": cfg.parallel.timeout_s,
             "model.language.num_layers": m.language.num_layers,
             "model.language.num_heads": m.language.num_heads,

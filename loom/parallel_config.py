@@ -62,3 +62,7 @@ class ParallelConfig:
     pp_split: list[int] = field(default_factory=list)  # layers per stage, e.g. [5, 7]; empty: balanced by cost
     # FSDP2 under pp: reduce-scatter once per step (unsharded grads held) or per microbatch (sharded, M× traffic)
     pp_grad_reduce: str = choice("step", "step", "microbatch")
+    # expert parallelism (layout.language.ep > 1): each MoE layer's tokens cut into this many chunks whose
+    # all-to-alls overlap the experts' compute of the others (chunk i+1 dispatched, chunk i-1 combined, while chunk
+    # i computes; likewise in backward); 1: one exchange per layer, nothing overlapped. Not yet measured on GPUs
+    ep_chunks: int = 1

@@ -122,17 +122,19 @@ def _verify_skewed_compiled(overrides: list[str], steps: int) -> dict:
     return {"checks": checks, "operands": seen, "empty": empty}
 
 
-def test_compiled_grouped_ep_with_an_idle_rank_matches_the_reference(worlds):
+@pytest.mark.parametrize("chunks", [1, 2], ids=["one-exchange", "chunks2"])
+def test_compiled_grouped_ep_with_an_idle_rank_matches_the_reference(worlds, chunks):
     """ep2 on 2 ranks, bf16 (FSDP2 mixed precision), grouped GEMM, compiled: rank 1 receives no token and experts
     2-7 none anywhere, every step; verify passes against the one-process reference, and no grouped GEMM of the
     compiled graphs (forward and backward) has an empty operand or a group of other than a multiple of 8 bf16
-    rows, although rank 1's groups are all padding."""
+    rows, although rank 1's groups are all padding. chunks2 (`parallel.ep_chunks`): each chunk's experts a
+    compiled call of their own (parallel/expert_chunks.py), rank 1 computing one zero row in each."""
     overrides = MOE + ["--layout.language.ep=2", "--model.language.router_bias=true",
                        "--model.language.router_bias_update_rate=0", "--train.dtype=bf16",
                        "--model.language.expert_kernel=grouped", "--train.compile=true",
-                       "--train.compile_backend=aot_eager"]
+                       "--train.compile_backend=aot_eager", f"--parallel.ep_chunks={chunks}"]
     per_rank = worlds.run(2, _verify_skewed_compiled, overrides, 1, timeout=600)
-    assert_all_passed("ep2-compiled-grouped-idle-rank", [r["checks"] for r in per_rank], 1)
+    assert_all_passed(f"ep2-compiled-grouped-idle-rank-{chunks}", [r["checks"] for r in per_rank], 1)
     for rank, result in enumerate(per_rank):
         operands = result["operands"]
         assert operands, f"rank {rank}: no grouped GEMM ran in a compiled graph"

@@ -55,6 +55,9 @@ def ep_compiled_run(out_dir: str, overrides: list[str], steps: int) -> dict:
 KERNELS = {
     "grouped-bf16": ["--model.language.expert_kernel=grouped", "--train.dtype=bf16"],
     "loop-fp32": ["--model.language.expert_kernel=loop"],
+    # the exchange in 2 chunks (parallel/expert_chunks.py): the experts a compiled frame of their own, per chunk
+    "grouped-bf16-chunks2": ["--model.language.expert_kernel=grouped", "--train.dtype=bf16",
+                             "--parallel.ep_chunks=2"],
 }
 
 

@@ -34,6 +34,11 @@ LAYOUTS = {
     # expert parallel: 8 experts over ep ranks of the LLM's dp×cp, FSDP2 over the dp×cp/ep others
     "ep2-dp4": (4, ["--layout.language.ep=2"]),  # efsdp 2: expert gradients summed by the all-to-all and FSDP2
     "ep4-cp2xdp2": (4, ["--layout.language.ep=4", "--layout.language.cp=2", "--data.pad_to_multiple=4"]),
+    # each layer's exchange in chunks whose all-to-alls overlap the experts (parallel/expert_chunks.py): 2, and 3
+    # (chunk i+2's dispatch queued behind chunk i's combine)
+    "ep2-dp4-chunks2": (4, ["--layout.language.ep=2", "--parallel.ep_chunks=2"]),
+    "ep4-cp2xdp2-chunks3": (4, ["--layout.language.ep=4", "--layout.language.cp=2", "--data.pad_to_multiple=4",
+                                "--parallel.ep_chunks=3"]),
     # each tp coordinate its own EP group (experts replicated over tp); vision dp4 fans in to LLM dp2
     "ep2-tp2-sp-fan-in": (4, ["--layout.language.ep=2", "--layout.language.tp=2", "--layout.vision.tp=1",
                               "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]),

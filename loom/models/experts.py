@@ -36,13 +36,17 @@ class Experts(nn.Module):
         # the seam expert parallelism fills from outside (parallel/experts.py): (experts, x, counts) → outputs, in
         # place of computing every expert here; None: all experts are this module's
         self.exchange: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # set with `exchange` (parallel.ep_chunks): the MoE block cuts its tokens into this many runs, each sorted by
+        # expert, so the exchange can overlap one run's all-to-alls with another's compute (parallel/expert_chunks.py)
+        self.chunks = 1
 
     @property
     def num_experts(self) -> int:
         return self.gate_proj.shape[0]
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`x` [n, hidden]: tokens sorted by expert, `counts` [E] (int) tokens of each expert, in order."""
+        """`x` [n, hidden]: tokens sorted by expert, `counts` [E] (int) tokens of each expert, in order; with
+        `chunks` > 1 (an exchange only) `counts` [chunks, E] and `x` sorted by (chunk, expert)."""
         if self.exchange is not None:
             return self.exchange(self, x, counts)
         return self.compute(x, counts, self.gate_proj, self.up_proj, self.down_proj)

@@ -78,10 +78,18 @@ class MoEBlock(nn.Module):
         route = self.gate(x)
         k = route.experts.shape[-1]
         flat = route.experts.flatten()  # [tokens · k]: token t's choices at t·k … t·k + k − 1
-        order = flat.argsort(stable=True)
+        # expert parallelism's chunks (`experts.chunks`, set with its exchange): runs of consecutive tokens, each
+        # sorted by expert — a valid exchange of its own, made by this sort at no extra row move
+        key, chunks, num = flat, self.experts.chunks, self.experts.num_experts
+        if chunks > 1:
+            token = torch.arange(flat.numel(), device=flat.device) // k
+            key = token * chunks // max(1, flat.numel() // k) * num + flat
+        order = key.argsort(stable=True)
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         # a static shape [E] (bincount's depends on the data: a graph break under compile); integer adds are exact
-        counts = flat.new_zeros(self.experts.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        counts = flat.new_zeros(chunks * num).scatter_add_(0, key, torch.ones_like(flat))
+        if chunks > 1:
+            counts = counts.view(chunks, num)
         # cast before the k copies are made (autocast's fp32 stream: half the bytes moved, and sent under EP)
         y = self.experts(spread_rows(x.to(compute_dtype(x)), order, back, k), counts)
         y = y * route.weights.flatten()[order].unsqueeze(-1).to(y.dtype)

@@ -11,7 +11,8 @@ How tokens travel. The MoE block has sorted its tokens by (global) expert; here 
 every rank of the EP group (an even all-to-all), then the tokens by an uneven all-to-all (autograd: its
 backward is the reverse all-to-all), are computed in (local expert, source) order — each row's place there
 computed from the counts, and the grouped kernel moves rows straight to it — and sent home in arrival order.
-Nothing depends on arrival timing: deterministic.
+Nothing depends on arrival timing: deterministic. With `parallel.ep_chunks` > 1 the block's tokens come in chunks,
+each exchanged by async all-to-alls that overlap the experts' compute of the others (parallel/expert_chunks.py).
 Under compile the exchange runs eagerly and the experts compile on a row count marked unbacked: the sizes read on
 the host never reach a guard, so no routing recompiles (issue 49; tests/test_ep_recompiles.py).
 
@@ -24,7 +25,6 @@ dense ones (pytorch #160285 had them 2× off); loom verify compares every expert
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from loom.models.experts import Experts
 from loom.models.moe import MoEBlock
+from loom.parallel.expert_chunks import arrival_places, chunked_exchange, chunked_exchange_eagerly
 from loom.topology import Grid, Topology
 
 EP_GROUPS = "experts: one copy of all experts (ep)"
@@ -69,17 +70,23 @@ def expert_mesh(grid: Grid, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(groups, device_type, mesh=_arranged(grid), mesh_dim_names=MESH_DIMS)
 
 
-def apply_expert_parallel(llm: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+def apply_expert_parallel(llm: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool,
+                          chunks: int = 1) -> None:
     """Every MoE block's experts of `llm` (a DecoderLM or a pipeline stage): split over ep, then FSDP2 over
-    efsdp as a unit of its own — before the blocks' FSDP2, which then leaves these weights to it."""
+    efsdp as a unit of its own — before the blocks' FSDP2, which then leaves these weights to it. `chunks`
+    (parallel.ep_chunks): each layer's exchange cut into that many overlapped ones (parallel/expert_chunks.py)."""
     for block in (m for m in llm.modules() if isinstance(m, MoEBlock)):
-        parallelize_module(block.experts, mesh["ep"], ExpertParallel())
+        parallelize_module(block.experts, mesh["ep"], ExpertParallel(chunks))
         fully_shard(block.experts, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard)
 
 
 class ExpertParallel(ParallelStyle):
     """The stacked weights as DTensors sharded on dim 0 (whole experts) over the ep mesh, and the experts'
-    `exchange` seam set to dispatch → local experts → combine."""
+    `exchange` seam set to dispatch → local experts → combine (in `chunks` overlapped pieces when > 1)."""
+
+    def __init__(self, chunks: int = 1) -> None:
+        super().__init__()
+        self.chunks = chunks
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, Experts):
@@ -88,11 +95,8 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
         group, size = mesh.get_group(), mesh.size()
         module.exchange = functools.partial(_dispatch_compute_combine, group, size)
+        module.chunks = self.chunks
         return module
-
-
-# inductor sizes kernels for an unbacked dim by a hint (8192 unless given); older torch may lack the argument
-_HAS_HINT = "hint_override" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -102,7 +106,12 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def _dispatch_compute_combine(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
                               counts: torch.Tensor) -> torch.Tensor:
     """`x` [n, hidden] sorted by global expert, `counts` [E]: the experts' outputs in `x`'s order. Under compile
-    the two exchanges run eagerly and the experts compiled on a row count dynamo treats as unbacked (below)."""
+    the two exchanges run eagerly and the experts compiled on a row count dynamo treats as unbacked (below).
+    `counts` [chunks, E] (`experts.chunks` > 1): `x` in chunks, exchanged overlapped (parallel/expert_chunks.py)."""
+    if counts.dim() == 2:
+        if experts.use_grouped(x):
+            return chunked_exchange(group, ep, experts, x, counts, True)
+        return chunked_exchange_eagerly(group, ep, experts, x, counts, False)
     if not experts.use_grouped(x):  # the per-expert loop reads its counts on the host: all of it eager
         return _exchange_eagerly(group, ep, experts, x, counts)
     return _exchange(group, ep, experts, x, counts)
@@ -110,7 +119,7 @@ def _dispatch_compute_combine(group: dist.ProcessGroup, ep: int, experts: Expert
 
 def _exchange(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
               counts: torch.Tensor) -> torch.Tensor:
-    arrived, received, splits, back = _dispatch(group, ep, x, counts)
+    arrived, received, back, splits = _dispatch(group, ep, x, counts)
     local = counts.numel() // ep
     y = experts.compute(arrived, received.view(ep, local).sum(0),
                         *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)), back=back)
@@ -124,8 +133,8 @@ _exchange_eagerly = torch.compiler.disable(_exchange)
 def _dispatch(group: dist.ProcessGroup, ep: int, x: torch.Tensor,
               counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tokens this rank's experts compute, in arrival order; `received` [ep · local] (what each source sends
-    each of my experts), the split sizes (a host tensor [send, recv] × ep) and each arrived row's place in
-    expert order."""
+    each of my experts), each arrived row's place in expert order and the split sizes (a host tensor
+    [send, recv] × ep)."""
     local = counts.numel() // ep
     received = torch.empty_like(counts)  # [source rank, local expert]: what each EP rank sends to mine
     dist.all_to_all_single(received, counts, group=group)
@@ -133,27 +142,7 @@ def _dispatch(group: dist.ProcessGroup, ep: int, x: torch.Tensor,
     splits = torch.stack([counts, received]).view(2, ep, local).sum(2).cpu()
     send, recv = splits.tolist()
     arrived = _AllToAll.apply(x, recv, send, group)
-    # arrival order is runs of (source, local expert); the experts want (local expert, source): each row's place
-    # there is its run's start in that order plus its offset in the run (no sort; the experts move it there)
-    runs = received.view(ep, local)
-    by_source = runs.flatten().cumsum(0) - runs.flatten()
-    by_expert = (runs.t().flatten().cumsum(0) - runs.t().flatten()).view(local, ep).t().flatten()
-    # output_size from the host's counts: without it repeat_interleave reads its total back (a second sync)
-    run = torch.repeat_interleave(torch.arange(ep * local, device=counts.device), runs.flatten(),
-                                  output_size=sum(recv))
-    back = torch.arange(sum(recv), device=counts.device) + (by_expert - by_source).index_select(0, run)
-    if sum(recv) == 0:
-        # nothing arrived: one zero row for the last local expert instead (output 0, gradients 0, dropped in
-        # _combine; the cat keeps the all-to-all's backward in the graph), so the compiled experts never run on 0
-        # rows — torch 2.11's inductor kernels fail to launch on an unbacked size of 0 (ZeroDivisionError, 4 H200s)
-        arrived, back = torch.cat([arrived, arrived.new_zeros(1, *arrived.shape[1:])]), back.new_zeros(1)
-        received = received.clone()
-        received[-1] += 1
-    # the compiled frame sees row counts with no value to guard on (no 0/1 case, no bound): one graph for all,
-    # sized by the rows sent (the balanced case's rows received)
-    for t in (arrived, back):
-        torch._dynamo.decorators.mark_unbacked(t, 0, **({"hint_override": x.shape[0]} if _HAS_HINT else {}))
-    return arrived, received, splits, back
+    return (*arrival_places(arrived, received, ep, recv, x.shape[0]), splits)
 
 
 @torch.compiler.disable

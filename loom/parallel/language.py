@@ -59,7 +59,7 @@ def parallelize_language(name: str, llm: nn.Module, grid: Grid | None, cfg: JobC
         # experts split over ep and sharded over efsdp before the blocks' FSDP2, which then skips their weights
         if lay.ep > 1:
             apply_expert_parallel(part, expert_mesh(grid, device_type), mixed_precision(train.dtype, par.reduce_dtype),
-                                  reshard)
+                                  reshard, par.ep_chunks)
         if not lay.fsdp:  # whole weights on each dp·cp rank: its gradients summed once a step
             replicate(part, replica_group(grid), device_type, train.dtype)
             continue
