@@ -1,6 +1,7 @@
 """bench/scale_sim.py's 64-rank form (fake backend, one process posing as rank 0): both jobs start and plan a step,
 and rank 0 holds exactly one group per partition of more than one rank that it is in — counted by hand from the
-layouts' degrees — and none of one rank; its DeviceMeshes share one copy of their rank map. Timings are the bench's business, not this test's."""
+layouts' degrees — and none of one rank; its DeviceMeshes share one copy of their rank map. Timings are the
+bench's business, not this test's."""
 
 from __future__ import annotations
 
