@@ -11,7 +11,9 @@ nothing is materialised) and each step's planning (`draw`: the global batch rend
 loom's, called as loom calls it, so the figures follow the code. The per-rank batch is fixed: the global batch
 grows with the LLM's dp. Memory is the process's resident set after start-up and after the steps, less its
 size before start-up (after imports); groups are those the registry holds for this rank (`held`), the world
-calls it made and how many held groups have one rank (none: a rank alone gets a stand-in).
+calls it made and how many held groups have one rank (none: a rank alone gets a stand-in); `meshes`: the live
+DeviceMesh objects, `rank_map_copies`: the rank-map tuples they hold (one per distinct map when shared:
+topology/rank_maps.py). bench/scale_mem.py says what holds the resident set.
 
 Jobs: "mm2b" — the 2B multimodal workload (bench/mm_bench.py's LLM + ViT + audio encoder) in the default
 config's layout shape (vision tp2·dp, audio dp, LLM dp); "deepseek" — a DeepSeek-V3-sized LLM (61 layers of
@@ -23,6 +25,7 @@ module under HSDP in runs of 8 ranks (`[layout.<module>] shard = 8`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -121,10 +124,12 @@ def simulate(job: str, world: int, rank: int, steps: int) -> dict:
     """In this process: rank `rank` of a fake `world`-rank world starts `job` and plans `steps` steps."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from loom.topology import Topology, groups
     from loom.topology.layout import resolve_placement
+    from loom.topology.rank_maps import rank_map_copies
     from loom.train import rank_plan
     from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
     from loom.train.job_model import build_batches, build_job_model, token_counters
@@ -159,15 +164,18 @@ def simulate(job: str, world: int, rank: int, steps: int) -> dict:
         step["draw_s"].append(timed(draw, batches, s, cfg, counters, plan.sample_multiple)[1])
         step["plan_step_s"].append(timed(plan_step, batches, steps + s, cfg, tok, counters, plan.shares,
                                          plan.sample_multiple)[1])
+    after_steps = rss_mib()  # before the count below, whose list of every object would add to it
     held = list(groups._ALL)
+    meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]  # FSDP2 makes them per parameter
     out = {"bench": "scale_sim", "job": job, "world": world, "rank": rank, "torch": torch.__version__,
            "layout": placement.layouts["language"].describe(), "global_batch": cfg.train.global_batch_size,
            "startup_s": round(sum(start.values()), 3), **{k: round(v, 3) for k, v in start.items()},
            "first_step_s": round(first, 3), **{k: round(statistics.median(v), 4) for k, v in step.items()},
            "shapes_share_s": round(stand_in["share_s"], 3), "shape_table_mib": round(stand_in["mib"], 2),
-           "rss_startup_mib": round(after_start - base, 1), "rss_after_steps_mib": round(rss_mib() - base, 1),
+           "rss_startup_mib": round(after_start - base, 1), "rss_after_steps_mib": round(after_steps - base, 1),
            "groups_held": plan.topo.registry.held(), "world_calls": plan.topo.registry.created,
-           "single_rank_groups": sum(g.size() == 1 for g in held), "held_sizes": sorted(g.size() for g in held)}
+           "single_rank_groups": sum(g.size() == 1 for g in held), "held_sizes": sorted(g.size() for g in held),
+           "meshes": len(meshes), "rank_map_copies": rank_map_copies(meshes)}
     groups.GroupRegistry.destroy_all()
     dist.destroy_process_group()
     return out

@@ -1,6 +1,7 @@
 """bench/scale_sim.py's 64-rank form (fake backend, one process posing as rank 0): both jobs start and plan a step,
 and rank 0 holds exactly one group per partition of more than one rank that it is in — counted by hand from the
-layouts' degrees — and none of one rank. Timings are the bench's business, not this test's."""
+layouts' degrees — and none of one rank; its DeviceMeshes share one copy of their rank map. Timings are the
+bench's business, not this test's."""
 
 from __future__ import annotations
 
@@ -40,3 +41,8 @@ def test_scale_sim_at_64_ranks():
         per_replica = {"mm2b": 2 * 64, "deepseek": 16 * 4, "mm2b-hsdp8": 2 * 64}
         assert row["global_batch"] == per_replica[job]  # per replica × the LLM's dp
         assert row["plan_step_s"] > 0 and row["startup_s"] > 0
+        # FSDP2 makes DeviceMeshes per parameter (HSDP's shard slice, TP's dp+tp concatenation), each of which kept
+        # its own tuple of the whole rank map; shared (topology/rank_maps.py), every mesh of these colocated jobs
+        # (all grids over ranks 0-63) holds the one copy: what a rank keeps no longer grows with meshes × world
+        assert row["meshes"] >= {"mm2b": 300, "deepseek": 5, "mm2b-hsdp8": 1000}[job], (job, row["meshes"])
+        assert row["rank_map_copies"] == 1, (job, row["rank_map_copies"])

@@ -30,6 +30,37 @@ def test_device_mesh_private_constructor_and_layout():
     assert hasattr(_MeshLayout, "collapse") or all(hasattr(_MeshLayout, m) for m in ("coalesce", "nest"))
 
 
+def test_meshes_share_one_rank_map_tuple():
+    """topology/rank_maps.py rewrites `DeviceMesh._flatten_rank_map` (the root's rank map as a tuple, which torch
+    builds anew in every mesh's __init__): torch still sets it there, as the rank map's values, and with loom's
+    wrapper a root, its slices and their concatenation hold one tuple. A fake 8-rank world, dp4·tp2."""
+    script = textwrap.dedent("""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from loom.topology.grid import Grid
+        from loom.topology.groups import GroupRegistry
+        from loom.topology.layout import Layout
+        from loom.topology.rank_maps import rank_map_copies
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        grid = Grid(Layout("language", 0, tp=2, dp=4))
+        GroupRegistry().build([grid])
+        root = grid.mesh("pp", "dp", "cp", "tp")
+        meshes = [root, root["dp"], root["tp"], root["dp"], DeviceMesh._concatenate([root["dp"], root["tp"]])]
+        assert root._flatten_rank_map == tuple(range(8)), root._flatten_rank_map
+        assert rank_map_copies(meshes) == 1, [id(m._flatten_rank_map) for m in meshes]
+        DeviceMesh.__init__ = DeviceMesh.__init__.__wrapped__  # torch's own: a tuple per mesh (what loom undoes)
+        assert rank_map_copies([root, root["dp"], root["tp"]]) == 3
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
 def test_flat_mesh_is_the_one_torch_flattens_to_over_the_registry_group():
     """The same, run: a fake 8-rank world (rank 0), dp2·cp2·tp2. The flattened dp×cp mesh hangs off the grid's
     root (torch's own `_flatten` returns it), holds the registry's group and no other, and slices like torch's."""

@@ -17,6 +17,11 @@ from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.topology.layout import DIMS, Layout
+from loom.topology.rank_maps import share_rank_maps
+
+# before any mesh is built: FSDP2 makes DeviceMeshes per parameter, each would keep its own copy of the grid's
+# rank map (O(world) Python ints); topology/rank_maps.py makes them share one
+share_rank_maps()
 
 
 class GroupSource(Protocol):
