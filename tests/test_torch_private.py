@@ -55,10 +55,7 @@ def test_meshes_share_one_rank_map_tuple():
         dist.destroy_process_group()
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+    _runs_ok(script)
 
 
 def test_flat_mesh_is_the_one_torch_flattens_to_over_the_registry_group():
@@ -84,10 +81,7 @@ def test_flat_mesh_is_the_one_torch_flattens_to_over_the_registry_group():
         dist.destroy_process_group()
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+    _runs_ok(script)
 
 
 def test_pipeline_stage_methods_loom_overrides():
@@ -133,3 +127,11 @@ def test_dynamo_lru_cache_switch():
     from torch._C._dynamo import eval_frame
 
     assert callable(eval_frame._set_lru_cache)
+
+
+def _runs_ok(script: str) -> None:
+    """`script` in a fresh process (a fake world of its own), which prints "ok" last."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
