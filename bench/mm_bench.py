@@ -38,7 +38,7 @@ from bench.shapes import AUDIO, LLMS, VIT
 from bench.profiling import comm_report, print_sync_stacks, start_profiler, write_profile, write_timeline
 from bench.layout_workloads import WORKLOADS, workload_overrides
 from bench.stage_timing import StageTiming
-from bench.workload import SMALL, PackedSteps, Shape
+from bench.workload import SMALL, PackedSteps, ReplicaSweep, Shape
 from loom.job import load_config
 from loom.distributed import init_distributed, shutdown
 from loom.parallel.compile import compiled_frames
@@ -86,6 +86,9 @@ def main() -> None:
                         "Qwen3-30B-A3B's layer, 128 experts, 8 active)")
     p.add_argument("--images", type=int, default=1, help="images per sample")
     p.add_argument("--per-gpu", type=int, default=0, help="samples per GPU per step (0: 3 per 4096 of --seq)")
+    p.add_argument("--samples-of", type=int, default=0, metavar="N",
+                   help="one GPU: the samples of an N-GPU row, its groups one per step (--steps and --warmup count "
+                        "the N-GPU row's steps: N times as many run), so the two rows carry the same tokens")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true")
@@ -131,7 +134,13 @@ def main() -> None:
         else:
             sizes = LLMS[args.llm] + VIT + AUDIO
         sizes += layout_overrides(args.layout, world)
-    workload = PackedSteps(shape, world, per_gpu, args.seq)
+    if args.samples_of > 1 and world > 1:
+        p.error(f"--samples-of {args.samples_of}: a one-GPU row's option (this run has {world} ranks)")
+    if args.samples_of > 1:
+        workload = ReplicaSweep(shape, args.samples_of, per_gpu, args.seq)
+        args.steps, args.warmup = args.steps * args.samples_of, args.warmup * args.samples_of
+    else:
+        workload = PackedSteps(shape, world, per_gpu, args.seq)
     cfg = load_config(None, sizes + [
         f"--data.format={args.format}", f"--train.dtype={'bf16' if gpu else 'fp32'}",
         *padded_overrides(args, shape),
@@ -207,7 +216,7 @@ def main() -> None:
         print(json.dumps({
             "bench": "mm", "system": args.system, "layout": args.layout if args.system == "loom" else "fsdp2",
             "format": args.format if args.system == "loom" else "bshd", "gpus": world, "seq": args.seq,
-            "samples_per_gpu": per_gpu,
+            "samples_per_gpu": per_gpu, "samples_of": args.samples_of or None,
             "pad_to": args.pad_to if args.format == "bshd" or args.system == "hf" else None, "adam": args.adam,
             "padded_length": cfg.data.padded_length or None,
             "workload": args.workload or None, "llm": None if args.workload else args.llm,

@@ -9,7 +9,8 @@
 # EXTRA: more mm_bench arguments for every row (--small: the CPU form).
 # STEPS (default 8) timed steps after WARMUP (3); LIMIT: seconds a row may take (default 240). The word
 # `profile` among a spec's KEY=VALUEs adds --profile and --timeline on every rank (files under OUT); `env:NAME=V`
-# sets an environment variable for that row alone (e.g. env:NCCL_PROTO=Simple).
+# sets an environment variable for that row alone (e.g. env:NCCL_PROTO=Simple); `arg:--FLAG=V` passes an mm_bench
+# argument (e.g. arg:--samples-of=4: a one-GPU row carrying a 4-GPU row's samples).
 set -u
 mkdir -p "$1"; out=$(cd "$1" && pwd); specs=$2; steps=${STEPS:-8}; warmup=${WARMUP:-3}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -29,6 +30,8 @@ for spec in $specs; do
   for kv in ${sets//,/ }; do
     if [ "${kv#env:}" != "$kv" ]; then
       envs+=("${kv#env:}")
+    elif [ "${kv#arg:}" != "$kv" ]; then
+      extra+=("${kv#arg:}")
     elif [ "$kv" = profile ]; then  # every rank's profile summary and compute timeline, under OUT
       extra+=(--profile "$out/profile-$n-{rank}.txt" --timeline "$out/timeline-$n-{rank}.json")
     else

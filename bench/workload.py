@@ -65,16 +65,17 @@ class PackedSteps:
     def global_batch(self, step: int) -> list[Sample]:
         if getattr(self, "_cached", (None,))[0] == step:  # the LLM and each encoder read the same step
             return self._cached[1]
-        out = []
-        for r in range(self.replicas):
-            rng = np.random.default_rng([self.seed, step, r])
-            while True:
-                group = [sample(rng, self.shape, self.tok) for _ in range(self.per_replica)]
-                if sum(len(s) for s in group) <= self.seq:
-                    break
-            out += group
+        out = [s for r in range(self.replicas) for s in self.group(step, r)]
         self._cached = (step, out)
         return out
+
+    def group(self, step: int, replica: int) -> list[Sample]:
+        """Replica `replica`'s samples of step `step`: drawn from (seed, step, replica) alone."""
+        rng = np.random.default_rng([self.seed, step, replica])
+        while True:
+            group = [sample(rng, self.shape, self.tok) for _ in range(self.per_replica)]
+            if sum(len(s) for s in group) <= self.seq:
+                return group
 
     def indices(self, step: int) -> list[int]:
         return list(range(self.replicas * self.per_replica))
@@ -94,3 +95,20 @@ class PackedSteps:
         batch = self.global_batch(step)
         share = len(batch) // dp_size
         return batch[dp_rank * share : (dp_rank + 1) * share]
+
+
+class ReplicaSweep(PackedSteps):
+    """One GPU working through an N-replica step one group at a time: its step k is replica k % N's group of
+    step k // N, so N of its steps carry exactly the samples of one step of the N-GPU row (the like-for-like
+    one-GPU row of a data-parallel comparison; replica 0's groups alone differ from the N groups' mean by chance)."""
+
+    def __init__(self, shape: Shape, of_replicas: int, per_replica: int, seq: int, seed: int = 0) -> None:
+        super().__init__(shape, 1, per_replica, seq, seed)
+        self.of_replicas = of_replicas
+
+    def global_batch(self, step: int) -> list[Sample]:
+        if getattr(self, "_cached", (None,))[0] == step:
+            return self._cached[1]
+        out = self.group(step // self.of_replicas, step % self.of_replicas)
+        self._cached = (step, out)
+        return out

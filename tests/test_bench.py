@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from bench.flops import attention_flops, matmul_params, step_flops
 from bench.mm_bench import flops_of
-from bench.workload import SMALL, PackedSteps
+from bench.workload import SMALL, PackedSteps, ReplicaSweep
 from loom.job import load_config
 from loom.data.sample import Sample
 
@@ -107,6 +107,16 @@ def test_workload_samples_are_prompt_plus_text_and_fit_the_sequence():
         (h, w), clips = s.images[0].shape[1:], [c.shape[1] for c in s.audio]
         assert len(s) == 1 + (h // 4) * (w // 4) + sum((f + 1) // 2 for f in clips) + sum(s.supervised)
     assert all(sum(map(len, batch[r * 3 : r * 3 + 3])) <= 300 for r in range(2))
+
+
+def test_replica_sweep_carries_the_n_gpu_rows_samples_one_group_a_step():
+    """A one-GPU row's `--samples-of 4`: its steps 4s … 4s+3 are exactly step s of the 4-replica row, in order."""
+    four, sweep = PackedSteps(SMALL, 4, 3, 300), ReplicaSweep(SMALL, 4, 3, 300)
+    for s in (0, 2):
+        swept = [x for k in range(4 * s, 4 * s + 4) for x in sweep.global_batch(k)]
+        assert [(x.tokens, x.supervised) for x in swept] == [(x.tokens, x.supervised) for x in four.global_batch(s)]
+        assert all(torch.equal(a, b) for x, y in zip(swept, four.global_batch(s)) for a, b in zip(x.images, y.images))
+    assert [x.tokens for x in sweep.global_batch(1)] != [x.tokens for x in PackedSteps(SMALL, 1, 3, 300).global_batch(1)]
 
 
 def test_multimodal_table_small_runs_every_contender(tmp_path):
