@@ -116,7 +116,8 @@ def test_replica_sweep_carries_the_n_gpu_rows_samples_one_group_a_step():
         swept = [x for k in range(4 * s, 4 * s + 4) for x in sweep.global_batch(k)]
         assert [(x.tokens, x.supervised) for x in swept] == [(x.tokens, x.supervised) for x in four.global_batch(s)]
         assert all(torch.equal(a, b) for x, y in zip(swept, four.global_batch(s)) for a, b in zip(x.images, y.images))
-    assert [x.tokens for x in sweep.global_batch(1)] != [x.tokens for x in PackedSteps(SMALL, 1, 3, 300).global_batch(1)]
+    one = PackedSteps(SMALL, 1, 3, 300)  # replica 0's groups alone: another set of samples
+    assert [x.tokens for x in sweep.global_batch(1)] != [x.tokens for x in one.global_batch(1)]
 
 
 def test_multimodal_table_small_runs_every_contender(tmp_path):
