@@ -24,7 +24,6 @@ from loom.parallel.materialize import WeightSource, materialize
 from loom.parallel.replicate import attach_gradient_sums
 from loom.parallel.pipeline import Pipeline
 from loom.parallel.stage_link import StageLink
-from loom.parallel.stream_priority import step_stream
 from loom.parallel.tied import TiedEmbedding, tied_copy_names, tied_embedding_group
 from loom.topology import Placement, Topology
 from loom.topology.checks import sample_multiple
@@ -77,9 +76,8 @@ class RankPlan:
 
     def train_step(self, model: MultimodalModel, optimizer, inputs: StepInputs, cfg: JobConfig, step: int,
                    inspect_grads=None, objective: Objective | None = None) -> StepResult:
-        with step_stream(cfg.parallel.stream_priority):
-            return train_step(self, model, optimizer, inputs, cfg.train, step, objective or self.objective(cfg),
-                              inspect_grads)
+        return train_step(self, model, optimizer, inputs, cfg.train, step, objective or self.objective(cfg),
+                          inspect_grads)
 
 
 def one_process_plan(modules: list[str], multiple: int, dtype: str, device: torch.device,
