@@ -84,6 +84,26 @@ def test_flat_mesh_is_the_one_torch_flattens_to_over_the_registry_group():
     _runs_ok(script)
 
 
+def test_fsdp_param_reads_two_chunks_of_chunk_with_empty():
+    """parallel/fsdp_chunks.py replaces the `_chunk_with_empty(tensor, num_chunks, dim)` that `FSDPParam` looks up
+    in its module with a lazy list: torch still calls it there, and reads its result only by index (this rank's
+    chunk, the padded 0th), so building the chunks read is enough — a loop or `len` would make it O(dp) again."""
+    import re
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from loom.parallel.fsdp_chunks import chunk_lazily, lazy_chunk_with_empty
+
+    assert chunk_lazily() and _fsdp_param._chunk_with_empty is lazy_chunk_with_empty
+    torch_chunks = lazy_chunk_with_empty.torch_chunk_with_empty
+    assert list(inspect.signature(torch_chunks).parameters) == ["tensor", "num_chunks", "dim"]
+    source = inspect.getsource(_fsdp_param.FSDPParam)
+    assert source.count("= _chunk_with_empty(") >= 2, "FSDPParam no longer chunks through _chunk_with_empty"
+    reads = re.findall(r"\bchunks\b(.{0,30})", source)
+    assert all(r.startswith((" = _chunk_with_empty(", "[")) for r in reads), reads
+    assert set(re.findall(r"\bchunks\[([^\]]+)\]", source)) <= {"0", "shard_rank", "mesh_info.shard_mesh_rank"}
+
+
 def test_pipeline_stage_methods_loom_overrides():
     """parallel/pipeline.py: RowsAwareStage and ShardedGradStage override these undocumented PipelineStage
     methods (stage 0's backward notice; FSDP2's per-microbatch reduce) and call `stage_backward`."""

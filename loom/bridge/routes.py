@@ -52,11 +52,9 @@ def step_chunks(counts: list[ReplicaRows]) -> list[Chunk]:
 def producers(src: Grid) -> list[list[int]]:
     """Encoder replica e → the ranks that hold its rows: its last pipeline stage's (the projector's), over
     which they are replicated (tp)."""
-    s = src.layout
-    return [[src.rank_at(pp=s.pp - 1, dp=e, cp=0, tp=t) for t in range(s.tp)] for e in range(s.dp)]
+    return src.ranks[src.layout.pp - 1, :, 0, :].tolist()  # [dp, tp] in one tolist: dp lookups were O(dp) µs
 
 
 def consumers(dst: Grid) -> list[list[int]]:
     """LLM replica d → its stage-0 ranks, cp-major: the first one holds the cp-summed row gradients."""
-    d = dst.layout
-    return [[dst.rank_at(pp=0, dp=r, cp=c, tp=t) for c in range(d.cp) for t in range(d.tp)] for r in range(d.dp)]
+    return dst.ranks[0].reshape(dst.layout.dp, -1).tolist()  # [dp, cp·tp], tp fastest, in one tolist

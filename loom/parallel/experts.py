@@ -38,11 +38,14 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from loom.models.experts import Experts
 from loom.models.moe import MoEBlock
 from loom.parallel.expert_chunks import arrival_places, chunked_exchange, chunked_exchange_eagerly
+from loom.parallel.fsdp_chunks import chunk_lazily
 from loom.topology import Grid, Topology
 
 EP_GROUPS = "experts: one copy of all experts (ep)"
 EFSDP_GROUPS = "experts: the ranks holding the same experts (efsdp)"
 MESH_DIMS = ("pp", "efsdp", "ep", "tp")
+# the experts' fully_shard over efsdp, as parallel/fsdp.py's: only the chunks FSDP2 reads (parallel/fsdp_chunks.py)
+chunk_lazily()
 
 
 def _arranged(grid: Grid) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from loom.parallel.fsdp_chunks import chunk_lazily
 from loom.parallel.hsdp import hsdp_root
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 # A row-wise TP projector hands FSDP a view of its local output; loom never writes into module outputs in
 # place, which is the only case the warning is about.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+# before any fully_shard: torch cuts every parameter into dp chunks on every rank; fsdp_chunks.py makes the two read
+chunk_lazily()
 
 
 def fsdp_mesh(grid: Grid, device_type: str) -> DeviceMesh:

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 # rank map → the one tuple every mesh over it holds. Entries outlive their meshes; there is one per distinct
 # rank map a process ever meshed (a grid's ranks: a handful per job, a few more across tests' worlds).
 _RANK_MAPS: dict[tuple[int, ...], tuple[int, ...]] = {}
+# id(a rank-map tensor) → (that tensor, kept so its id stays its own; its shared tuple): a slice or concatenation
+# passes its root's tensor, so finding its tuple skips hashing and comparing O(world) ints (FSDP2: one per parameter)
+_BY_TENSOR: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
 
 
 def share_rank_maps() -> None:
@@ -34,8 +38,16 @@ def share_rank_maps() -> None:
     def shared_init(self, *args, **kwargs) -> None:
         init(self, *args, **kwargs)
         mine = getattr(self, "_flatten_rank_map", None)  # a torch without it keeps no such copy: nothing to share
-        if mine is not None:
-            self._flatten_rank_map = _RANK_MAPS.setdefault(mine, mine)
+        if mine is None:
+            return
+        tensor = getattr(self, "_rank_map", None)
+        known = _BY_TENSOR.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            self._flatten_rank_map = known[1]
+            return
+        self._flatten_rank_map = _RANK_MAPS.setdefault(mine, mine)
+        if isinstance(tensor, torch.Tensor):
+            _BY_TENSOR[id(tensor)] = (tensor, self._flatten_rank_map)
 
     shared_init.loom_shares_rank_map = True
     DeviceMesh.__init__ = shared_init
