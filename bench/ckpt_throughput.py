@@ -12,7 +12,8 @@ on the H200 machine, 2026-11-27). `--threads 1,4` measures each count; without i
 
 One JSON line per mode: GiB, seconds until the call returns, seconds until the bytes are on
 disk (`os.sync`), seconds to load, GiB/s of each, and the process's CPU seconds for each (all threads: the copies
-a writer makes); then one line for dd.
+a writer makes); `host_layouts`: how many times the async rows' host buffers were allocated so far (one: a
+repeated async row reused them, as a trainer's saves do); then one line for dd.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from bench.shapes import AUDIO, LLM, VIT
 from loom.checkpoint.sharded import begin_save, load_sharded
+from loom.checkpoint.staging import HostStaging
 from loom.job import load_config
 from loom.train.trainer import Trainer
 
@@ -57,13 +59,14 @@ def _gib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
 
 
-def save_and_load(trainer: Trainer, out: Path, run_async: bool, threads: int | None) -> dict:
+def save_and_load(trainer: Trainer, out: Path, run_async: bool, threads: int | None, staging: HostStaging) -> dict:
     path = out / ("async" if run_async else "sync")
     shutil.rmtree(path, ignore_errors=True)
     _drop_caches()  # the last row's dirty pages are not this row's to write
     t0, c0 = time.perf_counter(), time.process_time()
     pending = begin_save(path, trainer.model, trainer.optimizer, trainer.weight_aliases, trainer.step, {},
-                         trainer.save_group, run_async, **({} if threads is None else {"threads": threads}))
+                         trainer.save_group, run_async, staging=staging,
+                         **({} if threads is None else {"threads": threads}))
     returned = time.perf_counter() - t0
     pending.finish()
     written = time.perf_counter() - t0
@@ -80,7 +83,7 @@ def save_and_load(trainer: Trainer, out: Path, run_async: bool, threads: int | N
             "returned_s": round(returned, 3), "written_s": round(written, 3), "durable_s": round(durable, 3),
             "write_gib_per_s": round(gib / durable, 3), "write_cpu_s": round(cpu, 3),
             "load_s": round(loaded, 3), "read_gib_per_s": round(gib / loaded, 3), "load_cpu_s": round(load_cpu, 3),
-            "page_cache_dropped": dropped}
+            "page_cache_dropped": dropped, "host_layouts": staging.layouts}
 
 
 def dd_rate(out: Path, gib: float) -> dict:
@@ -116,9 +119,10 @@ def main() -> None:
         f"--train.dtype={'bf16' if gpu else 'fp32'}", "--train.global_batch_size=4"])
     trainer = Trainer(cfg)
     trainer.train_step()  # the optimizer's moments exist: a checkpoint of its full size
+    staging = HostStaging()  # as a trainer keeps one: the first async row allocates its buffers, a repeat reuses them
     for threads in [int(t) for t in args.threads.split(",")] if args.threads else [None]:
         for run_async in [False] * args.repeat + [True] * args.repeat:
-            row = save_and_load(trainer, out, run_async, threads)
+            row = save_and_load(trainer, out, run_async, threads, staging)
             print(json.dumps({**row, "device": torch.cuda.get_device_name() if gpu else "cpu"}), flush=True)
     print(json.dumps(dd_rate(out, row["gib"])), flush=True)
 

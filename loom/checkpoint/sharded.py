@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from loom.checkpoint.staging import AlreadyStaged, HostCopyPlanner, HostStaging
 from loom.checkpoint.writer import StreamingHFWriter
 
 MODEL, OPTIM = "model.", "optim."
@@ -152,11 +153,12 @@ class PendingSave:
 
 def begin_save(path: str | Path, model: nn.Module, optimizer, aliases: dict[str, str], step: int, extra: dict,
                async_group: dist.ProcessGroup | None = None, run_async: bool = False,
-               threads: int = WRITE_THREADS) -> PendingSave:
+               threads: int = WRITE_THREADS, staging: HostStaging | None = None) -> PendingSave:
     """Collective: every rank writes its shards (and its RNG state) into `path`; `PendingSave.finish`
-    completes the folder. `run_async`: the shards are copied to host memory now and written by a background
-    thread while training goes on (dcp.async_save), its collectives on `async_group` (a gloo group of
-    every rank: the training's own groups stay the main thread's). `threads`: files per rank, written at once."""
+    completes the folder. `run_async`: the shards are copied to host memory now (`staging`'s buffers, reused
+    from save to save; a fresh HostStaging when none is given) and written from there by a background thread
+    while training goes on (dcp.async_save), its collectives on `async_group` (a gloo group of every rank: the
+    training's own groups stay the main thread's). `threads`: files per rank, written at once."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if _distributed() else 0
@@ -165,8 +167,12 @@ def begin_save(path: str | Path, model: nn.Module, optimizer, aliases: dict[str,
     writer = StreamingHFWriter(str(path), save_distributed=_distributed(), threads=threads)
     with _quiet_single_process():
         if run_async:
-            future = dcp.async_save(state.tensors, storage_writer=writer, process_group=async_group,
+            staging = staging if staging is not None else HostStaging()
+            host = staging.stage(state.tensors)  # the only blocking part: one copy of each shard
+            future = dcp.async_save(state.tensors, storage_writer=writer, planner=HostCopyPlanner(host),
+                                    process_group=async_group, async_stager=AlreadyStaged(),
                                     no_dist=not _distributed())
+            staging.in_flight = future
         else:
             dcp.save(state.tensors, storage_writer=writer, no_dist=not _distributed())
             future = None

@@ -17,6 +17,7 @@ from loom.parallel.materialize import WeightSource
 from loom.train.build import build_job
 from loom.checkpoint.folders import clear_staging, publish, resume_path, staging_dir
 from loom.checkpoint.sharded import begin_save, load_sharded
+from loom.checkpoint.staging import HostStaging
 from loom.train.evaluate import evaluate, heldout_report
 from loom.train.flops import peak_matmul_tflops
 from loom.train.heldout import heldout_metrics
@@ -49,6 +50,7 @@ class Trainer:
         self.model_flops = job.flops
         self.last_flops = 0.0
         self.pending = None  # a checkpoint save not yet complete (run.async_save)
+        self.save_staging = HostStaging() if cfg.run.async_save else None  # host buffers reused by every async save
         # rank 0 asks every rank over the health group which ones stopped answering (monitored barrier); the
         # background checkpoint writer's collectives run on a group of their own
         self.health_group = self._world_gloo_group(HEALTH) if self.plan.distributed else None
@@ -153,7 +155,8 @@ class Trainer:
         if self.plan.distributed:
             dist.barrier()
         self.pending = begin_save(staging_dir(out, self.step), self.model, self.optimizer, self.weight_aliases,
-                                  self.step, {"config": self.cfg.to_dict()}, self.save_group, run.async_save)
+                                  self.step, {"config": self.cfg.to_dict()}, self.save_group, run.async_save,
+                                  staging=self.save_staging)
         if not run.async_save:
             self.finish_save()
 
