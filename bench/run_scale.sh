@@ -18,7 +18,7 @@ run_row() {  # TREE SPEC DEVICES LAUNCH...: one mm_bench run, its JSON line tagg
   local tree=$1 spec=$2 devices=$3; shift 3
   (cd "$tree" && env "${envs[@]}" CUDA_VISIBLE_DEVICES="$devices" PYTHONPATH=. timeout "${LIMIT:-240}" \
     "$@" bench/mm_bench.py --seq "$t" --steps "$steps" --warmup "$warmup" "${extra[@]}" ${EXTRA:-} \
-    2>>"$out/err-$n.log") | grep '^{' | sed "s|^{|{\"tree\": \"$tree\", \"spec\": \"$spec\", \"devices\": \"$devices\", |" \
+    2> >(sed "s|^|[row $n] |" >>"$out/err.log")) | grep '^{' | sed "s|^{|{\"tree\": \"$tree\", \"spec\": \"$spec\", \"devices\": \"$devices\", |" \
     >>"$out/rows.jsonl" || echo "{\"tree\": \"$tree\", \"spec\": \"$spec\", \"failed\": true}" >>"$out/rows.jsonl"
 }
 n=0
