@@ -104,6 +104,25 @@ def test_fsdp_param_reads_two_chunks_of_chunk_with_empty():
     assert set(re.findall(r"\bchunks\[([^\]]+)\]", source)) <= {"0", "shard_rank", "mesh_info.shard_mesh_rank"}
 
 
+def test_fsdp_param_shard_mesh_is_a_function_of_its_mesh():
+    """parallel/fsdp_shard_mesh.py keeps `FSDPParam._init_shard_mesh`'s result on the mesh it sliced and hands it to
+    every later parameter over that mesh: torch still calls it (self only) once in `_init_sharded_param`, computes
+    it from `self.mesh_info.mesh` alone, and never reassigns `_shard_mesh` — so one slice serves every parameter."""
+    import re
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    from loom.parallel.fsdp_shard_mesh import share_shard_meshes
+
+    assert share_shard_meshes() and FSDPParam._init_shard_mesh.loom_shares_shard_mesh
+    torch_init = FSDPParam._init_shard_mesh.__wrapped__
+    assert list(inspect.signature(torch_init).parameters) == ["self"]
+    body = inspect.getsource(torch_init)
+    assert set(re.findall(r"\bself\.[\w.]+", body)) == {"self.mesh_info.mesh"}, body
+    source = inspect.getsource(FSDPParam)
+    assert source.count("self._shard_mesh = ") == 1 and "self._shard_mesh = self._init_shard_mesh()" in source
+
+
 def test_pipeline_stage_methods_loom_overrides():
     """parallel/pipeline.py: RowsAwareStage and ShardedGradStage override these undocumented PipelineStage
     methods (stage 0's backward notice; FSDP2's per-microbatch reduce) and call `stage_backward`."""

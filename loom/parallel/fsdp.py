@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loom.parallel.fsdp_chunks import chunk_lazily
+from loom.parallel.fsdp_shard_mesh import share_shard_meshes
 from loom.parallel.hsdp import hsdp_root
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 # before any fully_shard: torch cuts every parameter into dp chunks on every rank; fsdp_chunks.py makes the two read
 chunk_lazily()
+# and under HSDP slices its shard mesh per parameter (O(world) each); fsdp_shard_mesh.py slices it once per mesh
+share_shard_meshes()
 
 
 def fsdp_mesh(grid: Grid, device_type: str) -> DeviceMesh:
