@@ -63,11 +63,13 @@ class PackedSteps:
         self.dropped: frozenset[int] = frozenset()  # nor is any ever found bad and dropped
 
     def global_batch(self, step: int) -> list[Sample]:
-        if getattr(self, "_cached", (None,))[0] == step:  # the LLM and each encoder read the same step
-            return self._cached[1]
-        out = [s for r in range(self.replicas) for s in self.group(step, r)]
-        self._cached = (step, out)
-        return out
+        if getattr(self, "_cached", (None,))[0] != step:  # the LLM and each encoder read the same step
+            self._cached = (step, self.draw(step))
+        return self._cached[1]
+
+    def draw(self, step: int) -> list[Sample]:
+        """Step `step`'s samples: every replica's group, in replica order."""
+        return [s for r in range(self.replicas) for s in self.group(step, r)]
 
     def group(self, step: int, replica: int) -> list[Sample]:
         """Replica `replica`'s samples of step `step`: drawn from (seed, step, replica) alone."""
@@ -106,9 +108,5 @@ class ReplicaSweep(PackedSteps):
         super().__init__(shape, 1, per_replica, seq, seed)
         self.of_replicas = of_replicas
 
-    def global_batch(self, step: int) -> list[Sample]:
-        if getattr(self, "_cached", (None,))[0] == step:
-            return self._cached[1]
-        out = self.group(step // self.of_replicas, step % self.of_replicas)
-        self._cached = (step, out)
-        return out
+    def draw(self, step: int) -> list[Sample]:
+        return self.group(step // self.of_replicas, step % self.of_replicas)

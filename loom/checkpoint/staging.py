@@ -25,7 +25,8 @@ ALIGN = 64  # every shard's copy starts on a 64-byte boundary, so a view of any 
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The part of `t` this rank holds (a DTensor's local tensor; a plain tensor itself)."""
+    """The part of `t` this rank holds (a DTensor's local tensor; a plain tensor itself). parallel/local.py's
+    local_tensor, detached; not called from here since checkpoint/ sits below parallel/ (models export through it)."""
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 

@@ -31,9 +31,9 @@ import inspect
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from loom.models.experts import Experts, compute_dtype
+from loom.parallel.local import local_tensor
 
 # inductor sizes kernels for an unbacked dim by a hint (8192 unless given); older torch may lack the argument
 _HAS_HINT = "hint_override" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
@@ -134,8 +134,7 @@ def _plan(group: dist.ProcessGroup, ep: int, x: torch.Tensor, counts: torch.Tens
     dist.all_to_all_single(received, by_rank, group=group)
     send, recv = torch.stack([by_rank.sum(2).t(), received.sum(2).t()]).cpu().tolist()  # each [C][ep]
     pieces = torch.split(x, [sum(s) for s in send])  # one backward node: the chunks' gradients in one cat
-    weights = tuple(p.to_local() if isinstance(p, DTensor) else p
-                    for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    weights = tuple(local_tensor(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
     return received, send, recv, pieces, weights
 
 

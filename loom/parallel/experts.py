@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -39,6 +39,7 @@ from loom.models.experts import Experts
 from loom.models.moe import MoEBlock
 from loom.parallel.expert_chunks import arrival_places, chunked_exchange, chunked_exchange_eagerly
 from loom.parallel.fsdp_chunks import chunk_lazily
+from loom.parallel.local import local_tensor
 from loom.topology import Grid, Topology
 
 EP_GROUPS = "experts: one copy of all experts (ep)"
@@ -102,10 +103,6 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
 def _dispatch_compute_combine(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tensor,
                               counts: torch.Tensor) -> torch.Tensor:
     """`x` [n, hidden] sorted by global expert, `counts` [E]: the experts' outputs in `x`'s order. Under compile
@@ -125,7 +122,7 @@ def _exchange(group: dist.ProcessGroup, ep: int, experts: Experts, x: torch.Tens
     arrived, received, back, splits = _dispatch(group, ep, x, counts)
     local = counts.numel() // ep
     y = experts.compute(arrived, received.view(ep, local).sum(0),
-                        *(_local(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)), back=back)
+                        *(local_tensor(p) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)), back=back)
     return _combine(group, y, splits)
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from loom.config import JobConfig
+from loom.parallel.local import local_tensor
 from loom.parallel.pipeline import PipelinedLM, stages_of_rank
 from loom.topology import Grid, Topology
 
@@ -71,7 +71,7 @@ class TiedEmbedding:
         if not self.copies or not self.copies[0].requires_grad:  # a frozen LLM: no gradients on either side
             return
         with torch.no_grad():
-            local = [_local(_grad(p)) for p in self.copies]
+            local = [local_tensor(_grad(p)) for p in self.copies]
             if len(local) == 2:  # one rank holds both stages (zbv)
                 local[0].add_(local[1])
                 local[1].copy_(local[0])
@@ -85,8 +85,6 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t  # this rank's shard, the same memory (no autograd)
 
 
 def tied_copy_names(model: nn.Module) -> dict[str, str]:
