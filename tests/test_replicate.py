@@ -12,6 +12,14 @@ from loom.config import ConfigError
 from loom.job import load_config
 
 ENCODERS = ["--layout.vision.fsdp=false", "--layout.audio.fsdp=false"]
+
+
+def _apart(encoders: str, llm: str) -> list[str]:
+    """The encoders on rank range `encoders`, the LLM on `llm` (non-colocated)."""
+    return [f"--layout.vision.ranks={encoders}", f"--layout.audio.ranks={encoders}", f"--layout.language.ranks={llm}",
+            "--data.tokens_per_microbatch=512"]
+
+
 ALL = ENCODERS + ["--layout.language.fsdp=false"]
 TP2_SP = ["--layout.vision.tp=2", "--layout.audio.tp=2", "--layout.language.tp=2",
           "--layout.language.sequence_parallel=true", "--data.pad_to_multiple=2"]
@@ -28,6 +36,13 @@ CASES = {
     # autocast in the replicated modules' forwards, against the fp32 reference at bf16's tolerances
     # bf16 sums (parallel.reduce_dtype): every bucket cast into a flat buffer and back; replica_bucket_mb = 0: one
     # bucket per group, summed after the backward
+    # non-colocated: each module's sums over its own ranks' group, the encoder ranks' program switching them on for
+    # its last backward (train/encoder_ranks.py), rows and their gradients over the point-to-point bridge
+    "noncolocated-encoders-dp2-llm-dp2-all-replicated": (4, ALL + _apart("0-1", "2-3")),
+    # the encoders on one rank of their own (nothing to sum), the LLM replicated over the other two: the layout whose
+    # replicas let CUDA graphs run on both sides
+    "noncolocated-encoders-dp1-llm-replicated-dp2-mb2": (3, ["--layout.language.fsdp=false", *_apart("0-0", "1-2"),
+                                                             "--train.microbatches=2"]),
     "bf16-all-replicated-dp2-bins-bf16-sums": (2, ALL + ["--train.dtype=bf16", "--train.microbatches=2",
                                                          "--data.tokens_per_microbatch=512",
                                                          "--parallel.reduce_dtype=bf16",
@@ -51,8 +66,6 @@ def _check(overrides: list[str], world: int = 4):
 @pytest.mark.parametrize("overrides, says", [
     (["--layout.language.fsdp=false", "--layout.language.pp=2", "--data.tokens_per_microbatch=512",
       "--train.microbatches=2"], "layout.language.fsdp = false with pp > 1"),
-    (["--layout.vision.fsdp=false", "--layout.vision.ranks=0-1", "--layout.audio.ranks=0-1",
-      "--layout.language.ranks=2-3"], "layout.vision.fsdp = false with ranks of its own"),
     (["--layout.vision.fsdp=false", *GRAPHS], "train.compile_mode = 'reduce-overhead' with audio sharded by FSDP2"),
 ])
 def test_unsupported_replicas_are_refused_at_load(overrides, says):
@@ -63,6 +76,11 @@ def test_unsupported_replicas_are_refused_at_load(overrides, says):
 def test_cuda_graphs_allowed_when_every_module_is_replicated():
     cfg = _check(ALL + GRAPHS)
     assert not cfg.layout.language.fsdp and cfg.train.compile_mode == "reduce-overhead"
+
+
+def test_cuda_graphs_allowed_with_the_encoders_on_one_rank_of_their_own_and_the_llm_replicated():
+    cfg = _check(["--layout.language.fsdp=false", *_apart("0-0", "1-3"), *GRAPHS])
+    assert cfg.layout.language.ranks == "1-3" and cfg.train.compile_mode == "reduce-overhead"
 
 
 def _sums_taken_in(overrides: list[str]) -> list[str]:

@@ -141,11 +141,11 @@ def _check_sharding(placement: Placement, cfg: JobConfig) -> None:
             raise ConfigError(f"parallel.module_blocks_per_unit.{name} = {blocks!r}: expected a positive block count "
                               f"for one of the job's modules {sorted(layouts)}")
     for name, lay in layouts.items():
-        if not lay.fsdp and (lay.pp > 1 or lay.ep > 1 or not placement.colocated):
-            what = "pp > 1" if lay.pp > 1 else "ep > 1" if lay.ep > 1 else "ranks of its own (non-colocated)"
-            raise ConfigError(f"layout.{name}.fsdp = false with {what}: a replicated module is supported on the "
-                              f"LLM's ranks without pipeline or expert parallelism for now; set layout.{name}.fsdp = "
-                              f"true (FSDP2) for this layout")
+        if not lay.fsdp and (lay.pp > 1 or lay.ep > 1):
+            what = "pp > 1" if lay.pp > 1 else "ep > 1"
+            raise ConfigError(f"layout.{name}.fsdp = false with {what}: a replicated module is supported without "
+                              f"pipeline or expert parallelism for now; set layout.{name}.fsdp = true (FSDP2) for "
+                              f"this layout")
     sharded = {n: lay.dp * lay.cp for n, lay in layouts.items() if lay.dp * lay.cp > 1 and lay.fsdp}
     if cfg.train.compile_mode == "reduce-overhead" and sharded:
         name, ranks = next(iter(sharded.items()))
