@@ -108,12 +108,6 @@ def _apart(enc: str, llm: str) -> list[str]:
     return [f"--layout.vision.ranks={enc}", f"--layout.language.ranks={llm}"]
 
 
-# every module whole on each of its ranks and its blocks replayed as CUDA graphs (parallel/replicate.py): the host
-# work of small models' short kernels taken out, on both sides of a comparison alike
-GRAPHS = [*_lay("vision", fsdp="false"), *_lay("language", fsdp="false"), "--train.compile=true",
-          "--train.compile_mode=reduce-overhead"]
-
-
 ENCODER_HEAVY = LayoutWorkload(
     "encoder-heavy", "8 images per sample and a 0.5B LLM; the ViT on GPUs of its own, a microbatch ahead",
     Shape(image_px=(224, 336), text=(64, 1024), audio_every=0, images=8),
@@ -124,14 +118,10 @@ ENCODER_HEAVY = LayoutWorkload(
                        "--data.pad_to_multiple=2", *_mt(2, 24576)],
         "loom-enc1-dp3": [*_apart("0-0", "1-3"), *_mt(2, 16384)],
         "loom-enc2-dp2": [*_apart("0-1", "2-3"), *_mt(4, 16384)],
-        "one-dp4-graphs": [*_mt(2, 16384), *GRAPHS],
-        "loom-enc1-dp3-graphs": [*_apart("0-0", "1-3"), *_mt(2, 16384), *GRAPHS],
     },
     small_shape=Shape(patch=4, image_px=(16, 24), text=(8, 32), audio_every=0, images=4),
     small_seq=256, small_per_gpu=2,
-    small_layouts={"one-dp2": _mt(2, 256), "loom-enc1-dp1": [*_apart("0-0", "1-1"), *_mt(2, 256)],
-                   # graphs are CUDA's: on CPU the replicated form alone (eager; what the config check lets through)
-                   "loom-enc1-dp1-replicated": [*_apart("0-0", "1-1"), *_mt(2, 256), *GRAPHS[:2]]},
+    small_layouts={"one-dp2": _mt(2, 256), "loom-enc1-dp1": [*_apart("0-0", "1-1"), *_mt(2, 256)]},
     verify_model=[*LLMS["0.5b"], "--model.language.num_layers=4", *VIT_VERIFY],
 )
 
@@ -155,8 +145,7 @@ def verify_overrides(name: str, layout: str, small: bool) -> list[str]:
     CPU), with the built-in image tasks as data; M and T from the row, T raised to hold a built-in sample."""
     w = WORKLOADS[name]
     model = SMALL_MODEL + VISION_ONLY if small else [*w.verify_model, *VISION_ONLY]
-    # the layout's arithmetic in fp32, eager: T is the verify model's, and CUDA graphs are the bench row's speed
-    rows = [o for o in w.rows(small)[layout] if not o.startswith(("--data.tokens_per_microbatch=", "--train.compile"))]
+    rows = [o for o in w.rows(small)[layout] if not o.startswith("--data.tokens_per_microbatch=")]
     pp = any(o.startswith("--layout.language.pp=") for o in rows)
     fixed = ["--data.tokens_per_microbatch=512"] if pp else []  # pipelines need fixed shapes; 0 elsewhere
     return [*model, *rows, *fixed, "--train.dtype=fp32", "--train.global_batch_size=24"]
