@@ -54,7 +54,7 @@ def candidate(i: int, world: int = 4) -> Candidate:
 def predict(config: str | None, calibration: str | None, indices: list[int]) -> dict[int, dict]:
     from loom.job import load_config
     from loom.plan_search.calibration import load_calibration
-    from loom.plan_search.cost import estimate
+    from loom.plan_search.estimate import estimate_steps
     from loom.plan_search.search import settings_of, validate
     from loom.plan_search.workload import job_facts
 
@@ -65,7 +65,7 @@ def predict(config: str | None, calibration: str | None, indices: list[int]) -> 
     for i in indices:
         c = candidate(i)
         cfg = validate(config, COMMON, c, facts)  # loom accepts it, or this raises
-        e = estimate(facts.sizes, c.layouts, settings_of(cfg, c), facts.workload, cal)
+        e = estimate_steps(facts.sizes, c.layouts, settings_of(cfg, c), facts.steps, cal)
         out[i] = {"predicted_step_s": e.step_s, "predicted_tokens_per_s": e.tokens_per_s,
                   "predicted_terms_ms": {k: round(v * 1e3, 2) for k, v in e.seconds.items()}}
     return out

@@ -6,6 +6,8 @@ measured step time, and the Spearman rank correlation of the two (issue 34's tar
     PYTHONPATH=. python bench/plan_validate_gpu.py --gpus 1 --top 5 --gpu-memory 78 --calibration $OUT/cal.json \
         --out $OUT/plan-gpu.jsonl
     PYTHONPATH=. python bench/plan_validate_gpu.py --gpus 1 --top 5 --predict-only   # the proposed rows, no GPU
+    PYTHONPATH=. python bench/plan_validate_gpu.py --summarise ROWS.jsonl --calibration CAL.json  # recorded rows,
+                                                                 # predicted again by today's model, no GPU
 
 The search runs as `loom plan --search` does (search.py: priced, then accepted by loom's own checks, best first),
 on mm_bench's config and on the samples mm_bench trains on at the measured steps. On one GPU only M and T vary
@@ -47,16 +49,12 @@ def workload_job(name: str, world: int) -> tuple[list[str], object, int, int]:
              "--data.train_size=1000000"], w.shape, w.per_gpu, w.seq)
 
 
-def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top: int,
-             gpu_memory_gib: float | None = None, workload: str = "") -> tuple[list, object]:
-    """The search's `top` layouts for mm_bench's job (or `workload`'s) on `world` GPUs, priced on the measured
-    steps' samples."""
+def bench_facts(world: int, per_gpu: int, steps: int, workload: str = "") -> tuple[list[str], object, object]:
+    """mm_bench's job (or `workload`'s) on `world` GPUs as the search sees it: its overrides, config, and facts —
+    the model's sizes and the samples mm_bench trains on at the measured steps, each step in its batch order."""
     from bench.workload import PackedSteps, Shape
     from loom.job import load_config
-    from loom.plan_search.calibration import load_calibration
-    from loom.plan_search.cost import Workload
-    from loom.plan_search.search import search
-    from loom.plan_search.workload import JobFacts, module_sizes
+    from loom.plan_search.workload import JobFacts, module_sizes, step_workload
     from loom.train.job_data import job_tokenizer, with_vocabulary
     from loom.train.job_model import build_job_model, token_counters
 
@@ -68,14 +66,77 @@ def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top:
     model = build_job_model(with_vocabulary(cfg, tok), tok)  # on meta: sizes only
     counters = token_counters(model)
     packed = PackedSteps(shape, world, per_gpu, seq)  # mm_bench's own samples, step by step
-    drawn = []
-    for step in range(WARMUP, WARMUP + steps):
-        samples = packed.global_batch(step)
-        drawn.append(Workload(tuple(len(s) for s in samples),
-                              {n: tuple(cnt(i) for s in samples for i in s.items(n)) for n, cnt in counters.items()}))
-    facts = JobFacts(module_sizes(model), tuple(drawn), {"mm_bench samples": shape.longest})
+    drawn = tuple(step_workload(packed.global_batch(step), counters) for step in range(WARMUP, WARMUP + steps))
+    return overrides, cfg, JobFacts(module_sizes(model), drawn, {"mm_bench samples": shape.longest})
+
+
+def proposed(world: int, calibration: str | None, per_gpu: int, steps: int, top: int,
+             gpu_memory_gib: float | None = None, workload: str = "") -> tuple[list, object]:
+    """The search's `top` layouts for mm_bench's job (or `workload`'s) on `world` GPUs, priced on the measured
+    steps' samples."""
+    from loom.plan_search.calibration import load_calibration
+    from loom.plan_search.search import search
+
+    overrides, cfg, facts = bench_facts(world, per_gpu, steps, workload)
     result = search(None, overrides, cfg, facts, world, load_calibration(calibration), gpu_memory_gib, top)
     return result.ranked, result
+
+
+def recorded_candidate(row: dict):
+    """A recorded row's layout as a search Candidate, read back from its overrides."""
+    from loom.plan_search.cost import ModuleLayout
+    from loom.plan_search.search import Candidate
+
+    keys = dict(o[2:].split("=", 1) for o in row["overrides"])
+    modules = [k.split(".")[1] for k in keys if k.startswith("layout.") and k.endswith(".tp")]
+    layouts = {}
+    for n in sorted(modules, key=lambda n: n == "language"):  # language last, as the search orders them
+        start = int(keys[f"layout.{n}.ranks"].strip('"').split("-")[0])
+        dims = {d: int(keys.get(f"layout.{n}.{d}", 1)) for d in ("tp", "cp", "pp", "dp", "ep")}
+        layouts[n] = ModuleLayout(**dims, start=start)
+    return Candidate(int(keys["layout.world_size"]), layouts, int(keys["train.microbatches"]),
+                     int(keys["data.tokens_per_microbatch"]))
+
+
+def summarise(path: str, calibration: str | None, per_gpu: int, attention_of_defaults: bool = False) -> list[dict]:
+    """The recorded rows of `path` predicted again by today's cost model (on the same samples: the row's workload,
+    its measured steps' count) beside their measured step times; prints them with the ratios and the Spearman.
+    `attention_of_defaults`: where the calibration has no attention rate (a file written before it was measured),
+    H200_DEFAULTS' (the recorded H200 probes: calibration.py)."""
+    from dataclasses import replace
+
+    from loom.plan_search.calibration import H200_DEFAULTS, load_calibration
+    from loom.plan_search.estimate import estimate_steps
+    from loom.plan_search.search import settings_of
+
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    cal = load_calibration(calibration)
+    if attention_of_defaults:
+        layers = {kind: replace(cal.layer(kind), attention_flops_per_s=facts.attention_flops_per_s)
+                  for kind, facts in H200_DEFAULTS.layers.items() if not cal.layer(kind).attention_flops_per_s}
+        cal = replace(cal, layers={**cal.layers, **layers})
+    print(f"calibration: {calibration or 'H200 defaults'}; attention (TFLOP/s) "
+          + ", ".join(f"{k} {cal.attention_rate(k) / 1e12:.0f}" for k in ("decoder", "encoder")))
+    out = []
+    for row in rows:
+        c = recorded_candidate(row)
+        steps = len(row.get("measured_step_times") or []) or 6
+        workload = "" if row.get("workload", "2b") == "2b" else row["workload"]
+        overrides, cfg, facts = bench_facts(c.world_size, per_gpu, steps, workload)
+        e = estimate_steps(facts.sizes, c.layouts, settings_of(cfg, c), facts.steps, cal)
+        out.append({**row, "predicted_again_s": e.step_s,
+                    "predicted_again_terms_ms": {k: round(v * 1e3, 1) for k, v in e.seconds.items() if v}})
+    done = [r for r in out if r.get("measured_step_s")]
+    for r in out:
+        m = r.get("measured_step_s")
+        print(f"{r['rank_predicted']:>2} {r['layout']:<72} recorded {r['predicted_step_s']:.3f} s, again "
+              f"{r['predicted_again_s']:.3f} s, measured " + (f"{m:.3f} s ({m / r['predicted_again_s']:.2f}×)"
+                                                               if m else "—") + f"  {r['predicted_again_terms_ms']}")
+    if len(done) >= 3:
+        for key in ("predicted_step_s", "predicted_again_s"):
+            rho = spearman([r[key] for r in done], [r["measured_step_s"] for r in done])
+            print(f"Spearman over {len(done)} measured rows, {key}: {rho:.3f}")
+    return out
 
 
 def measure(overrides: list[str], world: int, per_gpu: int, steps: int, workload: str = "") -> dict:
@@ -109,7 +170,15 @@ def main() -> None:
     p.add_argument("--workload", default="", help="an issue-51 workload (bench/layout_workloads.py) in place of the "
                                                   "2B job (its own samples per GPU and seq)")
     p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--summarise", default=None, metavar="JSONL",
+                   help="predict this file's recorded rows again with today's cost model (--calibration, "
+                        "--per-gpu as measured); measure nothing")
+    p.add_argument("--attention-of-defaults", action="store_true",
+                   help="--summarise: where the calibration has no attention rate (older files), the H200 defaults'")
     args = p.parse_args()
+    if args.summarise:
+        summarise(args.summarise, args.calibration, args.per_gpu, args.attention_of_defaults)
+        return
     ranked, result = proposed(args.gpus, args.calibration, args.per_gpu, args.steps, args.top, args.gpu_memory,
                               args.workload)
     print(summary_line(result), flush=True)

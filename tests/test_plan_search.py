@@ -12,7 +12,8 @@ from loom.cli import DEFAULT_CONFIG, main
 from loom.job import load_config
 from loom.plan_search.calibration import Calibration, Link, load_calibration, save_calibration
 from loom.plan_search.cost import (ModuleLayout, ModuleSizes, Settings, Workload, activation_bytes_per_token_layer,
-                                   collective_s, estimate, fsdp_bytes, module_costs, pipeline_bubble)
+                                   collective_s, fsdp_bytes, module_costs, pipeline_bubble)
+from loom.plan_search.estimate import estimate
 from loom.plan_search.report import chosen_config_text
 from loom.plan_search.search import GIB, MEMORY_HEADROOM, enumerate_candidates, search, validate
 from loom.plan_search.workload import JobFacts, module_sizes

@@ -4,9 +4,13 @@ Runs on every rank of N under torchrun (`python -m loom.plan_search.calibrate --
 --calibrate` starts itself): all ranks measure at once, so a shared machine's contention is in the numbers
 (4 CPU ranks on 2 cores each get half a core, as `loom train` would). Measured:
 - the matmul rate (bf16 8192³ on CUDA, as flops.peak_matmul_tflops; fp32 512³ on CPU), the slowest rank's;
+- loom's own decoder and encoder layers (layer_probe.py): each one's host time per layer, its attention's rate
+  (a third of the matmul rate on an H200, where the model used to price attention at the matmul rate) and the rate
+  its eager elementwise kernels reach over the bytes the cost model counts;
 - memory bandwidth: a 64 MiB (CPU) / 1 GiB (CUDA) copy;
-- host overhead: forward + backward of a block with a handful of tokens (norm, q/k/v, attention, SwiGLU), whose
-  arithmetic is negligible, so its time is the per-layer dispatch cost; a microbatch's own as one more such block;
+- host overhead: forward + backward of a generic block with a handful of tokens (norm, q/k/v, attention, SwiGLU),
+  whose arithmetic is negligible, so its time is dispatch: a microbatch's own host cost, a layer's where the layer
+  probe has not measured one, and the base the splits below are measured against;
 - all_gather and all_reduce for each group size 2, 4, … ≤ N (every rank in one of the N/g groups, all at once):
   latency from a small buffer, bus bandwidth from a large one;
 - the same block split over each group: tensor parallel (DTensor) and FSDP2 — what the split adds per layer
@@ -25,8 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.plan_search.calibration import Calibration, Link, save_calibration
+from loom.plan_search.calibration import Calibration, LayerFacts, Link, save_calibration
 from loom.plan_search.cost import collective_s
+from loom.plan_search.layer_probe import time_layer
 
 
 def _timed(fn, repeats: int, sync) -> float:
@@ -116,6 +121,14 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
     x = torch.randn(16, 64, device=device, requires_grad=True)
     dist.barrier()
     layer_s = slowest(_timed(lambda: block(x).sum().backward(), repeats * 3, sync))
+    matmul, memory = 2 * n**3 / matmul_s, 2 * big.numel() * 4 / copy_s  # read + write
+    layers = {}
+    for kind in ("decoder", "encoder"):
+        facts = time_layer(kind, device, repeats, sync, matmul, memory)
+        # the slowest rank's: its longest host time, its lowest rates
+        layers[kind] = LayerFacts(slowest(facts.host_s), facts.forward_share,
+                                  1 / slowest(1 / facts.attention_flops_per_s),
+                                  1 / slowest(1 / facts.elementwise_bytes_per_s))
     links: dict[str, dict[int, Link]] = {"all_gather": {}, "all_reduce": {}}
     extras: dict[str, dict[int, float]] = {"tp": {}, "fsdp": {}}
     small, large = 4096, (256 << 20 if cuda else 8 << 20)
@@ -143,8 +156,8 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ({torch.get_num_threads()} threads per rank)"
     return Calibration(
         device=f"{name}, {world} ranks ({dist.get_backend()})",
-        matmul_flops_per_s=2 * n**3 / matmul_s,
-        memory_bytes_per_s=2 * big.numel() * 4 / copy_s,  # read + write
+        matmul_flops_per_s=matmul,
+        memory_bytes_per_s=memory,
         overhead_per_layer_s=layer_s,
         overhead_per_microbatch_s=layer_s,
         host_overlaps_device=cuda,
@@ -152,12 +165,15 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
         collectives=links,
         source=f"measured by loom plan --calibrate on {world} ranks",
         layer_extra_s=extras,
+        layers=layers,
     )
 
 
 def summary(cal: Calibration) -> str:
     """One line of what was measured; the collectives and splits only where there was a group to measure them."""
     parts = [f"{cal.matmul_flops_per_s / 1e9:,.1f} GFLOP/s", f"host {cal.overhead_per_layer_s * 1e3:.2f} ms per layer"]
+    parts += [f"{kind} layer: host {f.host_s * 1e3:.2f} ms, attention {f.attention_flops_per_s / 1e9:,.1f} GFLOP/s, "
+              f"elementwise {f.elementwise_bytes_per_s / 1e9:,.1f} GB/s" for kind, f in cal.layers.items()]
     parts += [f"{k} g{g} {link.bus_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} µs"
               for k, t in cal.collectives.items() for g, link in t.items()]
     splits = [f"{k} g{g} +{s * 1e3:.1f} ms" for k, t in cal.layer_extra_s.items() for g, s in t.items()]

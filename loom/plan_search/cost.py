@@ -1,10 +1,18 @@
 """The cost model of `loom plan --search`: a layout's step time and memory per GPU, as data and pure functions.
 
 Per rank and step, each module it hosts costs
-    compute     6 · matmul params · tokens + attention (loom/train/flops.py's count) at the matmul rate,
-                4/3 of it under full activation checkpointing (the forward again)
-    elementwise the activations' bytes written and read again (norms, activations, residual) at memory bandwidth
-    tp          4 all-reduces per layer and microbatch of the rank's tokens × width (2 forward, 2 backward)
+    compute     6 · matmul params · tokens at the matmul rate, 4/3 of it under full activation checkpointing
+                (the forward again)
+    attention   the scores and their weighting as FlashAttention runs them: the forward (flops.py's count) and a
+                backward of 2.5× it (5 matmuls against 2: it recomputes the scores), at the attention kernels' own
+                rate for the layer kind (calibration: the LLM's decoder layer, the encoders'), measured; a forward
+                more under full checkpointing
+    elementwise the activations' bytes written and read again (norms, activations, residual), at the rate loom's
+                own layer of that kind reaches on the machine (eager kernels move more than the count; a copy's
+                rate where not measured)
+    tp          per layer and microbatch, an all-reduce of the rank's tokens × width for each row-parallel
+                output (2, forward) and each column-parallel input's gradient (backward: DTensor reduces each
+                projection's own — q, k, v and the MLP's — `column_linears`); under sequence parallel 4
     cp          the K/V all-gather per layer and microbatch, and its reduce-scatter in backward
     ep          4 all-to-alls per sparse layer and microbatch (dispatch, combine; forward, backward)
     pp          each microbatch's activations sent to the next stage, and their gradient back
@@ -16,18 +24,18 @@ Per rank and step, each module it hosts costs
                 shards across the dp·cp/S replicas a step, the state divided by S
     bridge      the encoder rows into the LLM and their gradients back (colocated: a collective; p2p otherwise)
     optimizer   AdamW over the rank's fp32 shards: 28 bytes a parameter at memory bandwidth
-    host        the host's launches: per layer and microbatch (plus what a TP or FSDP split adds, measured:
-                calibration.layer_extra_s), and per microbatch
-The LLM's per-microbatch terms are stretched by the pipeline bubble (p−1)/(m+p−1). A colocated rank runs its
-modules one after the other; non-colocated encoder and LLM ranks run at once: max(E, L) + min(E, L)/M (the first
-microbatch's encoder forward and the last one's backward have nothing to overlap with). Collectives are not
-overlapped with compute (FSDP's prefetch does hide some on GPU). The model is meant to rank layouts, and its
-absolute times are estimates; how well it does either is measured in bench/RESULTS.md ("Cost model of loom plan
---search").
+    host        the host's launches: per layer and microbatch (loom's own layer of the kind, measured), what a TP
+                split adds per layer and an FSDP split per unit (calibration.layer_extra_s), and per microbatch
+Each run (microbatch) is priced on its slowest replica (`shares`, replicas.py: the replicas wait for each other at
+every FSDP collective). Collectives are not overlapped with compute (FSDP's prefetch does hide some on GPU). A whole
+candidate — its modules together, the bubble, placement, the drawn steps — is estimate.py's. The model is meant to
+rank layouts, and its absolute times are estimates; how well it does either is measured in bench/RESULTS.md
+("Cost model of loom plan --search").
 
 Memory per GPU: fp32 weights, gradients and AdamW moments (16 bytes a parameter) sharded over the module's
 dp×cp (experts: ep × efsdp), the unsharded gradient accumulated over microbatches, the gathered weights, and
-activations per token per layer (`activation_bytes_per_token_layer`) for the microbatches in flight.
+activations per token per layer (`activation_bytes_per_token_layer`) for the microbatches in flight, the largest
+replica's microbatch (the fullest GPU's).
 """
 
 from __future__ import annotations
@@ -35,10 +43,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loom.plan_search.calibration import Calibration
-from loom.train.flops import attention_flops
+from loom.plan_search.replicas import Shares
+from loom.train.flops import attention_forward_flops
 
 ADAMW_BYTES = 28  # fp32: read weight, grad, exp_avg, exp_avg_sq; write weight, exp_avg, exp_avg_sq
 STATE_BYTES = 16  # fp32 weight + grad + exp_avg + exp_avg_sq per parameter, sharded by FSDP
+FLASH_BACKWARD = 2.5  # FlashAttention's backward over its forward: 5 matmuls (scores recomputed, dV, dP, dQ, dK) to 2
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,9 @@ class ModuleSizes:
     sparse_layers: int = 0  # mixture-of-experts layers
     top_k: int = 0
     out_width: int = 0  # an encoder's rows into the LLM (the LLM's hidden size)
+    # column-parallel projections per layer under tp (without sequence parallel each all-reduces its input's
+    # gradient: DTensor makes the input replicated per module); 2 = Megatron's fused qkv and gate/up
+    column_linears: float = 2
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,9 @@ class Workload:
     llm_lengths: tuple[int, ...]
     encoder_items: dict[str, tuple[int, ...]] = field(default_factory=dict)
     llm_targets: int = 0  # tokens with a label, where the LM head runs (data/batch.py target_rows); 0: every token
+    # per encoder, each sample's number of items (batch order): which sample each of encoder_items belongs to, so
+    # the replicas' shares can be placed as loom places them (absent: the items spread evenly)
+    item_counts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -112,6 +128,7 @@ class Settings:
     sequence_parallel: bool = False
     replicated: frozenset[str] = frozenset()  # modules with `fsdp = false`: whole on each dp·cp rank
     shard: dict[str, int] = field(default_factory=dict)  # HSDP: module → its `shard` (the ranks FSDP2 shards over)
+    pad_to_multiple: int = 1  # data.pad_to_multiple: every sample's tokens rounded up to it (× 2·cp under cp)
 
 
 @dataclass
@@ -120,6 +137,11 @@ class Costs:
 
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, float] = field(default_factory=dict)
+    # how one module's seconds fall into the step's order (estimate.py sequences a rank's host and device by them):
+    # forward + backward `runs` a step, over `layers` layers, the host's forward its `host_forward_share`
+    runs: int = 1
+    layers: int = 1
+    host_forward_share: float = 1 / 3
 
     def add(self, other: Costs, scale: float = 1.0) -> None:
         for k, v in other.seconds.items():
@@ -189,26 +211,58 @@ def activation_bytes_per_token_layer(m: ModuleSizes, tp: int, dtype_bytes: int, 
 # ---------------------------------------------------------------- one module on its ranks
 
 
+def layer_kind(m: ModuleSizes) -> str:
+    """Which of the calibration's layers `m`'s are: the LLM's decoder layer (causal) or an encoder's."""
+    return "decoder" if m.causal else "encoder"
+
+
+def attention_s_per_square(m: ModuleSizes, s: Settings, cal: Calibration) -> float:
+    """Seconds of one replica's attention (all its layers, forward and backward) per unit of Σ length²: the
+    forward's FLOPs, FlashAttention's backward over them again, at the attention kernels' own rate (far below the
+    matmul rate: 254 against 800 TFLOP/s on an H200, calibration.py); a forward more under full checkpointing."""
+    passes = 1 + FLASH_BACKWARD + (1 if s.activation_checkpointing == "full" else 0)
+    return attention_forward_flops([1], m.layers, m.attention_width, m.causal) * passes / cal.attention_rate(
+        layer_kind(m))
+
+
+def tp_collectives(m: ModuleSizes, sequence_parallel: bool) -> float:
+    """TP's all-reduce-sized collectives per layer, forward and backward: 2 row-parallel outputs and each
+    column-parallel input's gradient; under sequence parallel one gather and one reduce-scatter a side for the
+    attention and the MLP (4 all-reduces' bytes)."""
+    return 4.0 if sequence_parallel else 2 + m.column_linears
+
+
 def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: int, lengths: list[int],
-                 runs_per_step: int, cal: Calibration, head_tokens: int | None = None) -> Costs:
+                 runs_per_step: int, cal: Calibration, head_tokens: int | None = None,
+                 shares: Shares | None = None) -> Costs:
     """One rank of module `m` for one step. `work_tokens`: tokens (rows) the whole module computes per step —
     fixed-shape microbatches count their filler; `lengths`: the real samples (items), for attention;
     `runs_per_step`: forward + backward passes per step (M, or 1 for encoders in the three-phase step);
-    `head_tokens`: the rows the LLM's head projects (its targets; None: every row)."""
+    `head_tokens`: the rows the LLM's head projects (its targets; None: every row); `shares`: each replica's
+    rows and squares per run (replicas.py; None: the step spread evenly over dp and the runs)."""
     c = Costs()
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp
     layers = max(1, m.layers // pp)
-    tokens_rank = work_tokens / (dp * cp)  # this rank's tokens per step (every pp stage sees them all)
-    tokens_mb = tokens_rank / runs_per_step
+    if shares is None:
+        shares = Shares.even(work_tokens, sum(n * n for n in lengths), dp, runs_per_step)
     recompute = 4 / 3 if s.activation_checkpointing == "full" else 1.0
     head_params, head_tokens = m.hidden * m.vocab, work_tokens if head_tokens is None else head_tokens
-    flops = (6.0 * (m.matmul_params - head_params) * work_tokens + 6.0 * head_params * head_tokens
-             + attention_flops(lengths, m.layers, m.attention_width, m.causal))
-    c.seconds["compute"] = flops / (dp * cp * tp * pp) * recompute / cal.matmul_flops_per_s
     act = activation_bytes_per_token_layer(m, tp, s.dtype_bytes, s.sequence_parallel)
-    c.seconds["elementwise"] = 3 * act * tokens_rank * layers / cal.memory_bytes_per_s  # write, read, its gradient
+    # one replica row's seconds on one of its ranks: the matmuls (split tp·pp·cp ways), the elementwise passes
+    # (write, read, its gradient: split over cp, and tp where act is), and attention per unit of Σ length²
+    per_row = 6.0 * (m.matmul_params - head_params) * recompute / cal.matmul_flops_per_s / (cp * tp * pp)
+    per_row_elementwise = 3 * act * layers / cal.elementwise_rate(layer_kind(m)) / cp
+    per_square = attention_s_per_square(m, s, cal) / (cp * tp * pp)
+    rows, squares = shares.slowest(per_row + per_row_elementwise, per_square)  # each run's slowest replica
+    head_flops = 6.0 * head_params * head_tokens / (dp * cp * tp * pp)  # on the mean: targets are not placed
+    c.seconds["compute"] = per_row * rows + head_flops * recompute / cal.matmul_flops_per_s
+    c.seconds["attention"] = per_square * squares
+    c.seconds["elementwise"] = per_row_elementwise * rows
+    tokens_rank = rows / cp  # this rank's tokens per step (every pp stage sees them all)
+    tokens_mb = tokens_rank / runs_per_step
     width_bytes = tokens_mb * m.hidden * s.dtype_bytes
-    c.seconds["tp"] = runs_per_step * layers * 4 * collective_s(cal, "all_reduce", tp, width_bytes)
+    c.seconds["tp"] = runs_per_step * layers * tp_collectives(m, s.sequence_parallel) * collective_s(
+        cal, "all_reduce", tp, width_bytes)
     kv_bytes = tokens_mb * cp * 2 * m.kv_width / min(tp, m.kv_heads) * s.dtype_bytes  # gathered: the replica's
     c.seconds["cp"] = runs_per_step * layers * 2 * collective_s(cal, "all_gather", cp, kv_bytes)
     if m.sparse_layers and lay.ep > 1:
@@ -239,8 +293,14 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     c.seconds["fsdp"] = fsdp
     local_params = dense / (tp * pp * shard_group) + experts / (tp * pp * expert_group)
     c.seconds["optimizer"] = ADAMW_BYTES * local_params / cal.memory_bytes_per_s
-    per_layer = cal.overhead_per_layer_s + cal.extra("tp", tp) + (0.0 if replicated else cal.extra("fsdp", shard_group))
-    c.seconds["host"] = runs_per_step * (layers * per_layer + cal.overhead_per_microbatch_s)
+    # the layer's own host time, TP's per layer (each layer's modules are split), FSDP's per unit (its hooks
+    # run around a unit of `per_unit` blocks: the ViT's 27 in units of 9 pay 3 units' hooks, not 27)
+    fsdp_units = 0.0 if replicated else -(-layers // per_unit)
+    per_layer = cal.layer_host_s(layer_kind(m)) + cal.extra("tp", tp)
+    c.seconds["host"] = runs_per_step * (layers * per_layer + fsdp_units * cal.extra("fsdp", shard_group)
+                                         + cal.overhead_per_microbatch_s)
+    c.runs, c.layers = runs_per_step, layers
+    c.host_forward_share = cal.layer(layer_kind(m)).forward_share or 1 / 3
     # memory
     unsharded = dense / (tp * pp) + experts / (tp * pp)
     c.bytes["weights+grads+adamw"] = STATE_BYTES * local_params
@@ -253,89 +313,10 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     if pp > 1:
         in_flight = runs_per_step if s.pp_schedule == "gpipe" else min(pp, runs_per_step)
     act_layer = activation_bytes_per_token_layer(m, tp, s.dtype_bytes, s.sequence_parallel, s.activation_checkpointing)
-    c.bytes["activations"] = act_layer * tokens_mb * layers * in_flight
+    largest_mb = shares.largest / cp  # the fullest rank's microbatch
+    c.bytes["activations"] = act_layer * largest_mb * layers * in_flight
     if s.activation_checkpointing == "full":  # one block's full activations while it recomputes
-        c.bytes["activations"] += act * tokens_mb
+        c.bytes["activations"] += act * largest_mb
     if m.vocab:  # fp32 logits and their gradient, on the last stage: a microbatch's head rows
-        c.bytes["logits"] = 2 * 4 * tokens_mb * (head_tokens / work_tokens if work_tokens else 1) * m.vocab / tp
+        c.bytes["logits"] = 2 * 4 * largest_mb * (head_tokens / work_tokens if work_tokens else 1) * m.vocab / tp
     return c
-
-
-# ---------------------------------------------------------------- a whole candidate
-
-
-@dataclass(frozen=True)
-class Estimate:
-    step_s: float
-    tokens_per_s: float  # real (not filler) LLM tokens per second, the whole job
-    memory_bytes: float  # the fullest GPU's
-    bubble: float
-    seconds: dict[str, float]  # the slowest rank's terms
-    memory: dict[str, float]  # the fullest GPU's terms
-
-
-def llm_work_tokens(w: Workload, lay: ModuleLayout, s: Settings) -> int:
-    """Tokens the LLM computes per step: fixed-shape microbatches compute all of T (filler too)."""
-    return s.tokens_per_microbatch * lay.dp * s.microbatches if s.tokens_per_microbatch else w.tokens
-
-
-def llm_head_tokens(w: Workload, lay: ModuleLayout, s: Settings, work_tokens: int) -> int:
-    """Rows the LLM's head projects per step: its targets (train/runners.py `RunContext`), every row under tp with
-    sequence parallel (the final norm's rows are a sequence shard there) or when the workload does not say."""
-    return work_tokens if (s.sequence_parallel and lay.tp > 1) or not w.llm_targets else w.llm_targets
-
-
-def bridge_s(enc: ModuleSizes, rows: int, enc_lay: ModuleLayout, lang: ModuleLayout, s: Settings,
-             colocated: bool, cal: Calibration) -> float:
-    """The encoder's rows into the LLM and their gradients back, per step, on a rank of either side."""
-    nbytes = rows / enc_lay.dp * enc.out_width * s.dtype_bytes  # one encoder replica's rows
-    fanout = lang.tp * lang.cp * max(1, lang.dp // enc_lay.dp)  # the LLM ranks each replica's rows reach
-    if colocated:
-        return 2 * collective_s(cal, "all_gather", fanout, nbytes)
-    return 2 * collective_s(cal, "p2p", 2, nbytes * lang.tp * lang.cp)  # the same rows to each tp/cp peer
-
-
-def estimate(sizes: dict[str, ModuleSizes], layouts: dict[str, ModuleLayout], s: Settings, w: Workload,
-             cal: Calibration) -> Estimate:
-    """Step time, tokens/s and memory per GPU of one candidate (`layouts`: every module, language included)."""
-    lang = layouts["language"]
-    colocated = len({(lay.start, lay.size) for lay in layouts.values()}) == 1
-    work = llm_work_tokens(w, lang, s)
-    llm = module_costs(sizes["language"], lang, s, work, list(w.llm_lengths), s.microbatches, cal,
-                       llm_head_tokens(w, lang, s, work))
-    bubble = pipeline_bubble(lang.pp, s.microbatches, s.pp_virtual_stages)
-    for term in ("compute", "elementwise", "tp", "cp", "ep", "pp", "host"):
-        if term in llm.seconds:
-            llm.seconds[term] /= 1 - bubble
-    encoders = Costs()
-    bridge = 0.0
-    for name, lay in layouts.items():
-        if name == "language":
-            continue
-        items = list(w.encoder_items.get(name, ()))
-        runs = 1 if (colocated and lang.pp > 1) else s.microbatches  # the three-phase step: once per step
-        # a pipelined encoder's stages before the last run every forward, then every backward (GPipe's order)
-        enc_settings = Settings(**{**s.__dict__, "pp_grad_reduce": "step", "pp_schedule": "gpipe",
-                                   "pp_virtual_stages": 1})
-        costs = module_costs(sizes[name], lay, enc_settings, sum(items), items, runs, cal)
-        for term in ("compute", "elementwise", "tp", "pp", "host"):  # its own bubble, as the LLM's
-            if term in costs.seconds:
-                costs.seconds[term] /= 1 - pipeline_bubble(lay.pp, runs)
-        encoders.add(costs)
-        bridge += bridge_s(sizes[name], sum(items), lay, lang, s, colocated, cal)
-    if colocated:
-        rank = Costs()
-        rank.add(llm)
-        rank.add(encoders)
-        rank.seconds["bridge"] = bridge
-        step, worst = rank.total_s(cal), rank
-        memory = rank
-    else:
-        llm.seconds["bridge"] = encoders.seconds["bridge"] = bridge
-        e, l_ = encoders.total_s(cal), llm.total_s(cal)
-        step = max(e, l_) + min(e, l_) / s.microbatches
-        worst = llm if l_ >= e else encoders
-        memory = llm if llm.memory >= encoders.memory else encoders
-    mem = dict(memory.bytes)
-    mem["reserved"] = cal.memory_reserved_bytes
-    return Estimate(step, w.tokens / step, sum(mem.values()), bubble, dict(worst.seconds), mem)

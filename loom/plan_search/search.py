@@ -19,7 +19,8 @@ from loom.config import JobConfig
 from loom.data.bins import DoesNotFit, assign_bins
 from loom.job import load_config
 from loom.plan_search.calibration import Calibration
-from loom.plan_search.cost import Estimate, ModuleLayout, Settings, estimate
+from loom.plan_search.cost import ModuleLayout, Settings
+from loom.plan_search.estimate import Estimate, estimate_steps
 from loom.parallel.fsdp import blocks_per_unit
 from loom.plan_search.workload import JobFacts
 from loom.topology import Topology
@@ -143,7 +144,8 @@ def settings_of(cfg: JobConfig, c: Candidate) -> Settings:
                     replicated=frozenset(n for n in ("language", *cfg.model.encoders)
                                          if (lay := getattr(cfg.layout, n)) is not None and not lay.fsdp),
                     shard={n: lay.shard for n in ("language", *cfg.model.encoders)
-                           if (lay := getattr(cfg.layout, n)) is not None and lay.shard})
+                           if (lay := getattr(cfg.layout, n)) is not None and lay.shard},
+                    pad_to_multiple=cfg.data.pad_to_multiple)
 
 
 def validate(config: str | None, overrides: list[str], c: Candidate, facts: JobFacts) -> JobConfig:
@@ -167,10 +169,9 @@ def search(config: str | None, overrides: list[str], base: JobConfig, facts: Job
     modules = [*base.model.encoders, "language"]
     budgets = token_budgets(facts, base.data.tokens_per_microbatch)
     experts = base.model.language.num_experts
-    work = facts.workload
     priced = []
     for c in enumerate_candidates(modules, world, budgets, experts, microbatches):
-        priced.append(Ranked(c, estimate(facts.sizes, c.layouts, settings_of(base, c), work, cal)))
+        priced.append(Ranked(c, estimate_steps(facts.sizes, c.layouts, settings_of(base, c), facts.steps, cal)))
     priced.sort(key=lambda r: -r.estimate.tokens_per_s)
     result = SearchResult([], enumerated=len(priced))
     limit = (1 - headroom) * gpu_memory_gib * GIB if gpu_memory_gib else float("inf")

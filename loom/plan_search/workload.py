@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from loom.config import JobConfig
 from loom.data.batch import supervised_count
+from loom.data.format import TokenCounter
+from loom.models.layers import SwiGLU
 from loom.plan_search.cost import ModuleSizes, Workload
 from loom.train.flops import matmul_params
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
@@ -16,21 +18,16 @@ from loom.train.job_model import build_batches, build_job_model, token_counters
 @dataclass(frozen=True)
 class JobFacts:
     sizes: dict[str, ModuleSizes]
-    steps: tuple[Workload, ...]  # the first few steps' data
+    steps: tuple[Workload, ...]  # the first few steps' data, each in its batch order (estimate_steps prices each)
     longest: dict[str, int]  # source → its longest sample (built-in tasks), for the T candidates
 
-    @property
-    def workload(self) -> Workload:
-        """The step the cost model prices: the drawn steps' samples together, scaled to one step's count."""
-        lengths = [n for w in self.steps for n in w.llm_lengths]
-        k = len(self.steps)
-        names = {n for w in self.steps for n in w.encoder_items}
-        items = {n: tuple(r for w in self.steps for r in w.encoder_items.get(n, ())) for n in names}
-        if k == 1:
-            return self.steps[0]
-        # every k-th sample after sorting keeps the mix of lengths at one step's size
-        return Workload(tuple(sorted(lengths)[::k]), {n: tuple(sorted(r)[::k]) for n, r in items.items()},
-                        sum(w.llm_targets for w in self.steps) // k)
+
+def step_workload(samples: list, counters: dict[str, TokenCounter]) -> Workload:
+    """One step's samples (batch order) as the cost model reads them: lengths, every item's rows, which sample each
+    item is of (to place them as loom does), and the tokens with a label (where the head runs)."""
+    items = {n: tuple(c(item) for s in samples for item in s.items(n)) for n, c in counters.items()}
+    counts = {n: tuple(len(s.items(n)) for s in samples) for n in counters}
+    return Workload(tuple(len(s) for s in samples), items, sum(supervised_count(s) for s in samples), counts)
 
 
 def job_facts(cfg: JobConfig, steps: int = 3) -> JobFacts:
@@ -43,9 +40,7 @@ def job_facts(cfg: JobConfig, steps: int = 3) -> JobFacts:
     batches = build_batches(cfg, data)
     drawn = []
     for step in range(steps):
-        samples = [s for i in batches.indices(step) for s in _sequences(data.train[i])]
-        items = {n: tuple(c(item) for s in samples for item in s.items(n)) for n, c in counters.items()}
-        drawn.append(Workload(tuple(len(s) for s in samples), items, sum(supervised_count(s) for s in samples)))
+        drawn.append(step_workload([s for i in batches.indices(step) for s in _sequences(data.train[i])], counters))
     return JobFacts(module_sizes(model), tuple(drawn), dict(data.longest))
 
 
@@ -66,11 +61,14 @@ def module_sizes(model) -> dict[str, ModuleSizes]:
     sizes = {"language": ModuleSizes(
         "language", sum(p.numel() for p in model.language.parameters()), experts, matmul_params(model.language),
         lm.num_layers, lm.hidden_size, lm.num_heads * d, lm.num_kv_heads * d, lm.num_kv_heads, mlp_width, 4, True,
-        vocab=lm.vocab_size, sparse_layers=sparse, top_k=lm.num_experts_per_tok if sparse else 0)}
+        vocab=lm.vocab_size, sparse_layers=sparse, top_k=lm.num_experts_per_tok if sparse else 0,
+        column_linears=3 + 2 * dense / lm.num_layers)}  # q, k, v; gate and up where the MLP is split (not experts)
     for name in model.encoder_names:
         enc = model.encoder(name)
         ec = enc.encoder.cfg
         sizes[name] = ModuleSizes(
             name, sum(p.numel() for p in enc.parameters()), 0, matmul_params(enc), ec.num_layers, ec.hidden_size,
-            ec.hidden_size, ec.hidden_size, ec.num_heads, ec.intermediate_size, 2, False, out_width=lm.hidden_size)
+            ec.hidden_size, ec.hidden_size, ec.num_heads, ec.intermediate_size, 2, False, out_width=lm.hidden_size,
+            # q, k, v; then gate and up (a SwiGLU tower's) or fc1
+            column_linears=3 + (2 if isinstance(next(enc.encoder.layers.children()).mlp, SwiGLU) else 1))
     return sizes

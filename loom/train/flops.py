@@ -20,9 +20,15 @@ import torch
 from loom.models.sizes import matmul_params
 
 
-def attention_flops(lengths: list[int], layers: int, width: int, causal: bool) -> float:
+def attention_forward_flops(lengths: list[int], layers: int, width: int, causal: bool) -> float:
+    """The forward's scores and weighting: 4·L²·d per layer bidirectional, 2·L²·d causal (half the pairs)."""
     per_pair = 2 if causal else 4
-    return 3.0 * per_pair * layers * width * sum(n * n for n in lengths)
+    return per_pair * layers * width * sum(n * n for n in lengths)
+
+
+def attention_flops(lengths: list[int], layers: int, width: int, causal: bool) -> float:
+    """Training's, as MFU counts them: 3× the forward (a kernel that recomputes in backward does more)."""
+    return 3.0 * attention_forward_flops(lengths, layers, width, causal)
 
 
 def step_flops(llm_params: int, llm_layers: int, llm_width: int, llm_lengths: list[int],
