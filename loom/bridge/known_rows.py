@@ -18,19 +18,13 @@ class KnownRows(Sequence):
     """Counts of the replicas in `runs` (first replica → counts of it and the ones after), of `size` replicas."""
 
     def __init__(self, size: int, runs: dict[int, np.ndarray]) -> None:
-        self.size = size
-        if len(runs) == 1:  # the usual case: one block, or one window of blocks
-            (first, values), = runs.items()
-            self.firsts, self.values = [first], [values]
-            return
-        merged: list[tuple[int, list[np.ndarray]]] = []
+        self.size, self.firsts, self.values = size, [], []
         for first in sorted(runs):  # adjacent runs as one, so a slice inside a block never straddles two
-            if merged and sum(map(len, merged[-1][1])) + merged[-1][0] == first:
-                merged[-1][1].append(runs[first])
+            if self.values and self.firsts[-1] + len(self.values[-1]) == first:
+                self.values[-1] = np.concatenate([self.values[-1], runs[first]])
             else:
-                merged.append((first, [runs[first]]))
-        self.firsts = [first for first, _ in merged]
-        self.values = [np.concatenate(parts).astype(np.int64) for _, parts in merged]
+                self.firsts.append(first)
+                self.values.append(runs[first])
 
     def __len__(self) -> int:
         return self.size

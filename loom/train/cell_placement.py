@@ -29,35 +29,77 @@ def place(batch: CellBatch, tokens: np.ndarray, work: dict[str, np.ndarray], row
     """Per microbatch, this rank's runs and its bridges' counts (`tokens`: rounded to the sample multiple; `work`:
     the rows balancing weighs, `rows`: the rows the bridges carry); and the placement of its LLM replica's cell
     (every replica of it, per microbatch: the step's bin statistics read it)."""
-    cells = batch.cells
+    cells, windows = batch.cells, batch.windows
     per_cell = [_cell_parts(batch, j, tokens, work, microbatches, budget) for j in range(len(batch.planned))]
     mine = shares["language"][0]
     stats = per_cell[batch.planned.index(cells.cell_of(mine)) if mine is not None else 0]
+    # every microbatch's windows side by side, piece k·W + j: microbatch k's window j, one virtual LLM replica per
+    # replica of it — so each encoder's split and each count is one array program for the whole step
+    llm = _stacked([_window(per_cell, batch, w, k) for k in range(microbatches) for w in windows])
+    first = np.cumsum([0] + [len(w) for w in windows] * microbatches)  # each piece's first virtual replica
+    at = next((j for j, w in enumerate(windows) if mine in w), None) if mine is not None else -1
+    if at is None:
+        raise AssertionError(f"LLM replica {mine} lies in none of this rank's windows {windows}")
+    sides = {name: _encoder_side(llm, first, windows, work[name], cells.dp, shares[name][1]) for name in rows}
+    # each encoder's rows summed along the stacked order: any run's rows are a difference of two of these
+    cums = {name: np.concatenate([[0], np.cumsum(rows[name][llm.order])]).astype(np.int64) for name in rows}
     plans = []
     for k in range(microbatches):
-        windows = [(w.start, _window(per_cell, batch, w, k)) for w in batch.windows]
-        llm = next((parts.run(mine - a) for a, parts in windows if a <= mine < a + len(parts)), None) \
-            if mine is not None else []
         encoders, counts = {}, {}
-        for name in rows:
+        for name, (enc, enc_first) in sides.items():
+            cum = cums[name]
+            pieces = range(k * len(windows), (k + 1) * len(windows))
+            enc_sums = [_sums(cum, enc[p]) for p in pieces]
+            llm_sums = [_sums(cum, llm.bounds[first[p]:first[p + 1] + 1]) for p in pieces]
             replica, dp = shares[name][0], shares[name][1]
-            held = [(*_encoder_window(parts, a, work[name], cells.dp, dp), a, parts) for a, parts in windows]
             if replica is not None:
-                run = next((enc.run(replica - e) for e, enc, _, _ in held if e <= replica < e + len(enc)), None)
-                if run is None:
-                    raise AssertionError(f"{name} replica {replica} is in none of this rank's windows {batch.windows}")
-                encoders[name] = run
+                j = next((j for j, e in enumerate(enc_first) if e <= replica < e + len(enc_sums[j])), None)
+                if j is None:
+                    raise AssertionError(f"{name} replica {replica} is in none of this rank's windows {windows}")
+                b = enc[k * len(windows) + j][replica - enc_first[j]:]
+                encoders[name] = llm.order[b[0]:b[1]].tolist()
             if cells.single:  # every replica's counts, as lists (the bridges of old read them so)
-                (_, enc, _, parts), = held
-                counts[name] = ReplicaRows(enc.sums(rows[name]), parts.sums(rows[name]))
+                counts[name] = ReplicaRows(enc_sums[0].tolist(), llm_sums[0].tolist())
             else:
-                encoder_side = {e: enc.totals(rows[name]) for e, enc, _, _ in held if len(enc)}
-                counts[name] = ReplicaRows(KnownRows(dp, encoder_side),
-                                           KnownRows(cells.dp, {a: p.totals(rows[name]) for _, _, a, p in held}))
-        if llm is None:
-            raise AssertionError(f"LLM replica {mine} lies in none of this rank's windows {batch.windows}")
-        plans.append(MicrobatchPlan(llm, encoders, counts))
+                counts[name] = ReplicaRows(KnownRows(dp, {e: v for e, v in zip(enc_first, enc_sums) if len(v)}),
+                                           KnownRows(cells.dp, {w.start: v for w, v in zip(windows, llm_sums)}))
+        own = [] if mine is None else llm.run(int(first[k * len(windows) + at]) + mine - windows[at].start)
+        plans.append(MicrobatchPlan(own, encoders, counts))
     return plans, stats
+
+
+def _stacked(pieces: list[Parts]) -> Parts:
+    """The pieces' runs one after another, as one Parts."""
+    if len(pieces) == 1:
+        return pieces[0]
+    orders = [p.order[p.bounds[0]:p.bounds[-1]] for p in pieces]
+    sizes = np.cumsum([0] + [len(o) for o in orders])
+    bounds = [np.zeros(1, np.int64)] + [p.bounds[1:] - p.bounds[0] + s for p, s in zip(pieces, sizes)]
+    return Parts(np.concatenate(orders).astype(np.int64), np.concatenate(bounds).astype(np.int64))
+
+
+def _encoder_side(llm: Parts, first: np.ndarray, windows: tuple[range, ...], work: np.ndarray, llm_dp: int,
+                  enc_dp: int) -> tuple[list[np.ndarray], list[int]]:
+    """An encoder's runs over the stacked windows: per piece, the bounds (into `llm.order`) of the runs of the
+    encoder replicas whose samples lie wholly in its window, and per window the first such replica's index."""
+    if enc_dp >= llm_dp:  # fan-in / equal: k per LLM replica, each replica's samples cut alone (so all at once)
+        k = enc_dp // llm_dp
+        bounds = split_encoder_parts(llm, work, len(llm) * k).bounds
+        pieces = [bounds[first[p] * k:first[p + 1] * k + 1] for p in range(len(first) - 1)]
+        return pieces, [w.start * k for w in windows]
+    k = llm_dp // enc_dp  # fan-out: the whole blocks of k LLM replicas in each window
+    whole = [(-(-w.start // k), w.stop // k) for w in windows]
+    out = []
+    for p in range(len(first) - 1):
+        (e0, e1), a = whole[p % len(windows)], windows[p % len(windows)].start
+        b = llm.bounds[first[p]:first[p + 1] + 1]
+        out.append(b[e0 * k - a:e1 * k - a + 1:k] if e1 > e0 else b[:0])
+    return out, [e0 for e0, _ in whole]
+
+
+def _sums(cum: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each run's total, from the running total `cum` of the values along the order (runs: between `bounds`)."""
+    return cum[bounds[1:]] - cum[bounds[:-1]]
 
 
 def _cell_parts(batch: CellBatch, j: int, tokens: np.ndarray, work: dict[str, np.ndarray], microbatches: int,
@@ -94,16 +136,3 @@ def _window(per_cell: list[list[Parts]], batch: CellBatch, w: range, k: int) -> 
         bounds.append(parts.bounds[lo + 1:hi + 1] - first + at)
         at += last - first
     return Parts(np.concatenate(orders).astype(np.int64), np.concatenate(bounds).astype(np.int64))
-
-
-def _encoder_window(llm: Parts, first: int, work: np.ndarray, llm_dp: int, enc_dp: int) -> tuple[int, Parts]:
-    """The encoder replicas whose samples lie wholly in LLM replicas `first` … `first + len(llm) − 1` (their runs
-    `llm`): the first one's index and their runs."""
-    if enc_dp >= llm_dp:  # fan-in / equal: k of them per LLM replica
-        k = enc_dp // llm_dp
-        return first * k, split_encoder_parts(llm, work, len(llm) * k)
-    k = llm_dp // enc_dp  # fan-out: the whole blocks of k LLM replicas in the window
-    e0, e1 = -(-first // k), (first + len(llm)) // k
-    if e1 <= e0:
-        return e0, Parts(llm.order, llm.bounds[:1])
-    return e0, Parts(llm.order, llm.bounds[e0 * k - first:e1 * k - first + 1:k])
