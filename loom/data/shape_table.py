@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from loom.distributed import host_world_group
 from loom.data.shape_arrays import ShapeArrays
-from loom.data.shape_columns import FIELD_SET, ShapeColumns
+from loom.data.shape_columns import ShapeColumns
 from loom.data.shapes import SampleShape
 
 Measure = Callable[[int], tuple[SampleShape, ...]]  # item index → its shapes, one per sequence
@@ -35,8 +35,9 @@ class ShapeTable:
         self.tokens, self.targets = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self.counts = {e: np.zeros(n, np.int64) for e in self.encoders}  # items per sequence
         self.rows = {e: np.zeros((n, 1), np.int64) for e in self.encoders}  # their rows, padded to the most items
-        # per sequence, what the step's totals read (`columns`), side by side so one gather takes them all
-        self.numbers = np.zeros((n, FIELD_SET + 1 + 2 * len(self.encoders)), np.int64)
+        # per sequence, what the step's totals read (`columns`), side by side so one gather takes them all; built at
+        # the first `columns` after a `put` (only a rank that plans cells reads them: 72 bytes a sequence)
+        self.numbers: np.ndarray | None = None
         self.field_set, self.fields = np.zeros(n, np.int64), {}  # field set → its code
 
     def put(self, items: np.ndarray, shapes: ShapeArrays) -> None:
@@ -61,7 +62,7 @@ class ShapeTable:
             # each item's cell: its sample's row, its rank among that sample's items
             column = np.arange(len(shapes.rows[e])) - np.repeat(shapes.offsets[e][:-1], counts)
             self.rows[e][np.repeat(seqs, counts), column] = shapes.rows[e]
-        self.numbers[seqs] = ShapeColumns.of(self.shapes(items, measure=False)[0], self.encoders).matrix
+        self.numbers = None
         self.known[items] = True
         self.complete = bool(self.known.all())  # every item measured (a world's start-up): no check per lookup
 
@@ -85,6 +86,9 @@ class ShapeTable:
     def columns(self, indices: np.ndarray) -> tuple[ShapeColumns, np.ndarray]:
         """`shapes` as the step's totals read them: numbers per sequence, no item rows (data/shape_columns.py)."""
         indices, seqs = self._sequences(indices)
+        if self.numbers is None:
+            everything = self.shapes(np.arange(self.size), measure=False)[0]
+            self.numbers = ShapeColumns.of(everything, self.encoders).matrix
         return (ShapeColumns(np.take(self.numbers, seqs, axis=0), tuple(self.fields), tuple(self.encoders)),
                 seqs if self.sequences == 1 else np.repeat(indices, self.sequences))
 
