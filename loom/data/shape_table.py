@@ -87,10 +87,17 @@ class ShapeTable:
         """`shapes` as the step's totals read them: numbers per sequence, no item rows (data/shape_columns.py)."""
         indices, seqs = self._sequences(indices)
         if self.numbers is None:
-            everything = self.shapes(np.arange(self.size), measure=False)[0]
-            self.numbers = ShapeColumns.of(everything, self.encoders).matrix
+            self.numbers = self._numbers()
         return (ShapeColumns(np.take(self.numbers, seqs, axis=0), tuple(self.fields), tuple(self.encoders)),
                 seqs if self.sequences == 1 else np.repeat(indices, self.sequences))
+
+    def _numbers(self) -> np.ndarray:
+        """`ShapeColumns.matrix` of every sequence, from the table's arrays (its rows padded with zeros)."""
+        t = self.tokens
+        columns = [t, t * t, self.targets, self.targets > 0, self.field_set]
+        for e in self.encoders:
+            columns += [self.rows[e].sum(axis=1), np.einsum("ij,ij->i", self.rows[e], self.rows[e])]
+        return np.stack(columns, axis=1).astype(np.int64)
 
     def _sequences(self, indices: np.ndarray, measure: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Items `indices` (measured now where not yet known) and the table rows of their sequences."""
