@@ -7,7 +7,11 @@ batch). The draw from a shape table (cells looked up, totals from its columns) e
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -288,3 +292,16 @@ def test_a_too_long_sample_is_named_alike_from_a_ranks_cells_and_from_the_whole_
         draw(batches, 0, cfg, {e: None for e in ENCODERS}, MULTIPLE, {"language": (7, 8), "vision": (7, 8),
                                                                       "audio": (7, 8)})
     assert "data.tokens_per_microbatch = 64" in str(whole.value) and str(cell.value) == str(whole.value)
+
+
+def test_a_rank_of_a_large_simulated_world_plans_its_two_cells():
+    """bench/scale_sim.py's DeepSeek-sized job at 2,048 ranks (fake backend, one process as rank 1,000): LLM dp 128 in
+    two cells of 64; rank 1,000 is LLM replica 104 (cell 1) and encodes samples of LLM replica 62 (cell 0), so it
+    plans both cells — through the real job's data, shape table, shares and bridges' counts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "bench/scale_sim.py", "--job", "deepseek", "--world", "2048", "--rank",
+                          "1000", "--steps", "1"], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.splitlines()[-1])
+    assert row["world"] == 2048 and row["global_batch"] == 16 * 128 and row["cells"] == "2 of 2"
+    assert row["plan_step_s"] > 0 and row["planning_s"] > 0
