@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from loom.bridge.known_rows import KnownRows
+from loom.data.bins import BatchDoesNotFit
 from loom.bridge.replica_rows import ReplicaRows
 from loom.bridge.routes import step_chunks
 from loom.config import ConfigError
@@ -24,6 +25,7 @@ from loom.data.loader import GlobalBatches
 from loom.data.shape_arrays import ShapeArrays
 from loom.data.shape_columns import ShapeColumns
 from loom.data.shape_table import ShapeTable
+from loom.data.shapes import SampleShape
 from loom.job import load_config
 from loom.train.cell_batch import CellBatch
 from loom.train.cell_placement import place
@@ -305,3 +307,19 @@ def test_a_rank_of_a_large_simulated_world_plans_its_two_cells():
     row = json.loads(out.stdout.splitlines()[-1])
     assert row["world"] == 2048 and row["global_batch"] == 16 * 128 and row["cells"] == "2 of 2"
     assert row["plan_step_s"] > 0 and row["planning_s"] > 0
+
+
+def test_a_cell_that_does_not_fit_names_itself_the_key_and_its_numbers():
+    """Eight samples of 60 tokens in cell 0 of two (replicas 0-1, 2 bins of 64 tokens): the error says which cell, its
+    samples and their tokens, and which keys change it."""
+    shapes = [SampleShape(60, 5) for _ in range(8)] + [SampleShape(10, 5) for _ in range(8)]
+    arrays, indices = ShapeArrays.of(shapes, []), np.arange(16)
+    cells, shares = Cells.of(2, 4), {"language": (0, 4)}
+    batch = CellBatch.whole(arrays, indices, 16, None, cells, cells.windows(shares),
+                            step_totals(ShapeColumns.of(arrays)))
+    with pytest.raises(BatchDoesNotFit) as e:
+        place(batch, arrays.tokens, {}, {}, shares, 1, 64)
+    assert str(e.value).startswith(
+        "planning cell 0 of 2 (LLM replicas 0–1: data.balance_replicas = 2 pack their samples alone; raise it, or 0 "
+        "to pack the whole batch at once): cell 0's 8 samples need 480 tokens, more than their bins hold; cell 0's 8 "
+        "samples go to 2 LLM replicas × train.microbatches = 1 bins of data.tokens_per_microbatch = 64 (128 tokens)")

@@ -94,7 +94,9 @@ def bin_of_each(
         )
     total = int(tok.sum())
     if total > n_bins * capacity:
-        raise BatchDoesNotFit(f"the global batch needs {total} tokens, more than its bins hold; " + advice())
+        needs = "the global batch needs" if batch is None else f"{batch} samples need"
+        raise BatchDoesNotFit(f"{needs} {total} tokens, more than {'its' if batch is None else 'their'} bins hold; "
+                              + advice())
 
     # longest first, ties: more rows, then the lower position (lexsort is stable: positions stay ascending)
     order = np.lexsort((-row_total, -tok))

@@ -112,11 +112,11 @@ def _cell_parts(batch: CellBatch, j: int, tokens: np.ndarray, work: dict[str, np
     replicas = cells.replicas(c)
     try:
         parts = split_llm_parts(tokens[a:b], {n: w[a:b] for n, w in work.items()}, len(replicas), microbatches,
-                                budget, batch.indices[a:b], f"planning cell {c}'s {b - a}")
+                                budget, batch.indices[a:b], f"cell {c}'s {b - a}")
     except DoesNotFit as e:
-        raise type(e)(f"planning cell {c} of {len(cells)} (LLM replicas {replicas.start}–{replicas.stop - 1}; "
-                      f"data.balance_replicas = {cells.size} replicas pack their samples together, or 0 for the "
-                      f"whole batch): {e}") from e
+        raise type(e)(f"planning cell {c} of {len(cells)} (LLM replicas {replicas.start}–{replicas.stop - 1}: "
+                      f"data.balance_replicas = {cells.size} pack their samples alone; raise it, or 0 to pack the "
+                      f"whole batch at once): {e}") from e
     return [Parts(p.order + a, p.bounds) for p in parts]
 
 
