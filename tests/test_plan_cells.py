@@ -15,8 +15,11 @@ import sys
 
 import numpy as np
 import pytest
+import torch
+from conftest import MIXED_SPECS, TINY_MODEL_OVERRIDES, make_sample
 
 from loom.bridge.known_rows import KnownRows
+from loom.data.batch import IGNORE_INDEX
 from loom.data.bins import BatchDoesNotFit
 from loom.bridge.replica_rows import ReplicaRows
 from loom.bridge.routes import step_chunks
@@ -29,6 +32,7 @@ from loom.data.shapes import SampleShape
 from loom.job import load_config
 from loom.train.cell_batch import CellBatch
 from loom.train.cell_placement import place
+from loom.train.inputs import collate, plan_inputs
 from loom.train.plan_cells import Cells
 from loom.train.step_draw import draw
 from loom.train.step_parts import item_starts, rounded
@@ -323,3 +327,46 @@ def test_a_cell_that_does_not_fit_names_itself_the_key_and_its_numbers():
         "planning cell 0 of 2 (LLM replicas 0–1: data.balance_replicas = 2 pack their samples alone; raise it, or 0 "
         "to pack the whole batch at once): cell 0's 8 samples need 480 tokens, more than their bins hold; cell 0's 8 "
         "samples go to 2 LLM replicas × train.microbatches = 1 bins of data.tokens_per_microbatch = 64 (128 tokens)")
+
+
+def _samples_cfg(*extra: str):
+    return load_config(None, [*TINY_MODEL_OVERRIDES, "--data.train_size=64", "--train.global_batch_size=16", *extra])
+
+
+@pytest.mark.parametrize("budget", [0, 256])
+def test_rendered_samples_planned_in_cells(tiny_model, tok, budget):
+    """plan_inputs (held-out sets, RL's rollouts: every sample rendered) in cells of one LLM replica at dp 4, vision
+    fanning out 2 → 4: each rank's microbatches hold the samples its cells' plan gives it, rendered from the whole
+    batch's positions. Without a token budget the cells cut where the whole batch's shares do: the same tensors and
+    counts as one cell; with one, every sample once, every bin T tokens, the whole batch's supervised count."""
+    g = torch.Generator().manual_seed(3)
+    samples = [make_sample(MIXED_SPECS[i % len(MIXED_SPECS)], tiny_model, tok, g) for i in range(16)]
+    counters = {n: tiny_model.encoder(n).num_tokens for n in tiny_model.encoder_names}
+    ids = list(range(100, 116))
+    dp, overrides = 4, ["--train.microbatches=2", f"--data.tokens_per_microbatch={budget}"]
+    shares = [{"language": (r, dp), "vision": (r // 2, 2), "audio": (r, dp)} for r in range(dp)]
+    plans = {size: [plan_inputs(samples, ids, _samples_cfg(*overrides, f"--data.balance_replicas={size}"), tok,
+                                counters, s, 1, torch.device("cpu")) for s in s_list]
+             for size, s_list in ((1, shares), (0, shares))}
+    reference = collate(samples, _samples_cfg(*overrides), tok)
+    images, known = [], {}
+    for r, (cells, whole) in enumerate(zip(plans[1], plans[0])):
+        assert cells.supervised == whole.supervised == reference.num_supervised and cells.totals == whole.totals
+        for k, (a, b) in enumerate(zip(cells.microbatches, whole.microbatches)):
+            images += [x.flatten()[:8].tolist() for x in a.encoder_items["vision"]] if r % 2 == 0 else []
+            assert a.llm.input_ids.numel() == budget or not budget
+            for name in ("vision", "audio"):
+                held = sum(tiny_model.encoder(name).num_tokens(x) for x in a.encoder_items[name])
+                assert held == a.rows[name].encoder[shares[r][name][0]]  # its own replica's count: what it holds
+                for side in ("encoder", "llm"):
+                    rows = getattr(a.rows[name], side)
+                    for i in (i for run in rows.known_runs() for i in run):  # ranks agree where they meet
+                        assert known.setdefault((name, side, k, i), rows[i]) == rows[i]
+                        assert budget or rows[i] == getattr(b.rows[name], side)[i]
+            if not budget:
+                assert torch.equal(a.llm.input_ids, b.llm.input_ids) and torch.equal(a.llm.labels, b.llm.labels)
+                assert all(torch.equal(x, y) for x, y in zip(a.encoder_items["vision"], b.encoder_items["vision"]))
+                assert a.item_rows == b.item_rows
+    assert sum(int((mb.llm.labels != IGNORE_INDEX).sum()) for p in plans[1] for mb in p.microbatches) == \
+        reference.num_supervised  # every target once over the ranks
+    assert sorted(images) == sorted(x.flatten()[:8].tolist() for s in samples for x in s.images)
