@@ -6,10 +6,13 @@
 The fake backend (`init_process_group("fake")`) answers every collective at once without data, so what is
 timed is this rank's own host work: start-up (the tokenizer and the model on the meta device; the data; the
 topology, its process groups and the layouts applied to the meta model — `setup_parallel` without weights:
-nothing is materialised) and each step's planning (`draw`: the global batch rendered and tokenised;
-`plan_step`: that plus the bins, this rank's microbatches and its media decoded). Each phase is one function of
-loom's, called as loom calls it, so the figures follow the code. The per-rank batch is fixed: the global batch
-grows with the LLM's dp. Memory is the process's resident set after start-up and after the steps, less its
+nothing is materialised) and each step's planning (`draw`: the shapes of the samples of this rank's planning
+cells looked up, and the whole batch's totals; `plan_step`: that plus the cells' bins, this rank's microbatches, its
+samples rendered and its media decoded; `render_s`, the part of `plan_step` spent rendering this rank's samples —
+the built-in tasks drawing their images and clips, set by which samples the rank takes, not by the world — and
+`planning_s` the rest; `cells`: the planning cells it plans, of how many, train/plan_cells.py). Each phase is one
+function of loom's, called as loom calls it, so the figures follow the code. The per-rank batch is fixed: the
+global batch grows with the LLM's dp. Memory is the process's resident set after start-up and after the steps, less its
 size before start-up (after imports); groups are those the registry holds for this rank (`held`), the world
 calls it made and how many held groups have one rank (none: a rank alone gets a stand-in); `meshes`: the live
 DeviceMesh objects, `rank_map_copies`: the rank-map tuples they hold (one per distinct map when shared:
@@ -159,18 +162,25 @@ def simulate(job: str, world: int, rank: int, steps: int) -> dict:
     # step 0 pays first-call costs (the tasks' cached fonts and clips): timed apart; then each phase on steps of
     # its own, so neither finds the other's work done
     first = timed(plan_step, batches, 0, cfg, tok, counters, plan.shares, plan.sample_multiple)[1]
-    step = {"draw_s": [], "plan_step_s": []}
+    step = {"draw_s": [], "plan_step_s": [], "render_s": [], "planning_s": []}
+    rendering: dict[str, float] = {}
+    timing(rendering, "s", batches, "item")  # the rank's samples rendered (each once a step: then cached)
     for s in range(1, steps + 1):
-        step["draw_s"].append(timed(draw, batches, s, cfg, counters, plan.sample_multiple)[1])
+        drawn, seconds = timed(draw, batches, s, cfg, counters, plan.sample_multiple, plan.shares)
+        step["draw_s"].append(seconds)
+        rendering["s"] = 0.0
         step["plan_step_s"].append(timed(plan_step, batches, steps + s, cfg, tok, counters, plan.shares,
                                          plan.sample_multiple)[1])
+        step["render_s"].append(rendering["s"])
+        step["planning_s"].append(step["plan_step_s"][-1] - rendering["s"])
     after_steps = rss_mib()  # before the count below, whose list of every object would add to it
     held = list(groups._ALL)
     meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]  # FSDP2 makes them per parameter
     out = {"bench": "scale_sim", "job": job, "world": world, "rank": rank, "torch": torch.__version__,
            "layout": placement.layouts["language"].describe(), "global_batch": cfg.train.global_batch_size,
            "startup_s": round(sum(start.values()), 3), **{k: round(v, 3) for k, v in start.items()},
-           "first_step_s": round(first, 3), **{k: round(statistics.median(v), 4) for k, v in step.items()},
+           "first_step_s": round(first, 3), **{k: round(statistics.median(v), 5) for k, v in step.items()},
+           "cells": f"{len(drawn.batch.planned)} of {len(drawn.batch.cells)}",
            "shapes_share_s": round(stand_in["share_s"], 3), "shape_table_mib": round(stand_in["mib"], 2),
            "rss_startup_mib": round(after_start - base, 1), "rss_after_steps_mib": round(after_steps - base, 1),
            "groups_held": plan.topo.registry.held(), "world_calls": plan.topo.registry.created,

@@ -54,6 +54,10 @@ class DataConfig:
     tokens_per_microbatch: int = 0  # T: every LLM microbatch packs exactly T tokens (0: each share as it comes)
     padded_length: int = 0  # S: every bshd microbatch is [rows, S] (0: the data's longest sample, rounded up)
     too_long: str = choice("error", "error", "skip")  # a sample longer than T (or S): stop with its index, or skip it
+    # LLM replicas planned together: a step's items are cut into cells, one per this many consecutive replicas, and
+    # the token packer balances each cell alone, so a rank plans only its own cells, whatever the world (0, or at
+    # least the LLM's dp: the whole batch as one cell)
+    balance_replicas: int = 64
     # train.compile: rows of one call of an encoder's layers, e.g. {vision = 2048}; fixed, so they never recompile
     # (not listed: T per LLM microbatch served, always enough; a call with more rows compiles again)
     encoder_rows_per_microbatch: dict = field(default_factory=dict)
@@ -261,6 +265,7 @@ def check_values(cfg: JobConfig) -> None:
             "train.eval_every": t.eval_every,
             "data.tokens_per_microbatch": d.tokens_per_microbatch,
             "data.padded_length": d.padded_length,
+            "data.balance_replicas": d.balance_replicas,
             "parallel.replica_bucket_mb": cfg.parallel.replica_bucket_mb,
             "data.workers": d.workers,
             "run.save_every": cfg.run.save_every,

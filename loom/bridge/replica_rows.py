@@ -7,6 +7,7 @@ summed over the cp group (`sum_over_context`), because each cp rank inserted onl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,11 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ReplicaRows:
-    """One microbatch's modality rows of one encoder, per replica on each side of its bridge."""
+    """One microbatch's modality rows of one encoder, per replica on each side of its bridge: a list of every
+    replica's, or, where the step was planned in cells, a `KnownRows` of the replicas of this rank's blocks."""
 
-    encoder: list[int]  # rows held by each encoder replica (dp index order)
-    llm: list[int]  # rows needed by each LLM replica (dp index order)
+    encoder: Sequence[int]  # rows held by each encoder replica (dp index order)
+    llm: Sequence[int]  # rows needed by each LLM replica (dp index order)
 
 
 def sum_over_context(grad: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:

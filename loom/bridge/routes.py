@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.bridge.known_rows import known_runs
 from loom.bridge.replica_rows import ReplicaRows
 from loom.topology.grid import Grid
 
@@ -27,25 +28,34 @@ class Chunk:
 
 
 def step_chunks(counts: list[ReplicaRows]) -> list[Chunk]:
-    """Every chunk of one step; `counts`: each microbatch's rows per replica on both sides."""
+    """Every chunk of one step the counts hold; `counts`: each microbatch's rows per replica on both sides. A step
+    planned in cells (train/plan_cells.py) holds only the blocks of this rank's replicas: their chunks, the only
+    ones this rank sends or receives."""
     enc_dp, llm_dp = len(counts[0].encoder), len(counts[0].llm)
+    encoders = [e for run in known_runs(counts[0].encoder) for e in run]  # whole blocks, ascending
+    if enc_dp >= llm_dp:  # fan-in / equal: k encoder replicas share one LLM replica's samples, in order
+        k = enc_dp // llm_dp
+        llms = sorted({e // k for e in encoders})
+    else:  # fan-out: one encoder replica holds k LLM replicas' samples, one after another
+        k = llm_dp // enc_dp
+        llms = [d for e in encoders for d in range(e * k, (e + 1) * k)]
     enc_done, llm_done = [0] * enc_dp, [0] * llm_dp  # rows of earlier microbatches
     chunks = []
     for rows in counts:
-        if enc_dp >= llm_dp:  # fan-in / equal: k encoder replicas share one LLM replica's samples, in order
-            k = enc_dp // llm_dp
-            for e in range(enc_dp):
+        if enc_dp >= llm_dp:
+            for e in encoders:
                 d = e // k
                 before = sum(rows.encoder[d * k : e])
                 chunks.append(Chunk(e, enc_done[e], d, llm_done[d] + before, rows.encoder[e]))
-        else:  # fan-out: one encoder replica holds k LLM replicas' samples, one after another
-            k = llm_dp // enc_dp
-            for d in range(llm_dp):
+        else:
+            for d in llms:
                 e = d // k
                 before = sum(rows.llm[e * k : d])
                 chunks.append(Chunk(e, enc_done[e] + before, d, llm_done[d], rows.llm[d]))
-        enc_done = [a + b for a, b in zip(enc_done, rows.encoder)]
-        llm_done = [a + b for a, b in zip(llm_done, rows.llm)]
+        for e in encoders:
+            enc_done[e] += rows.encoder[e]
+        for d in llms:
+            llm_done[d] += rows.llm[d]
     return [c for c in chunks if c.n]
 
 

@@ -68,8 +68,10 @@ def bin_of_each(
     microbatches: int,
     capacity: int,
     indices: Sequence[int] | None = None,
+    batch: str | None = None,
 ) -> np.ndarray:
-    """`assign_bins` as an array: the bin of each sample (int64 [len(tokens)]), for callers that go on in numpy."""
+    """`assign_bins` as an array: the bin of each sample (int64 [len(tokens)]), for callers that go on in numpy;
+    `batch`: what errors call the samples (default: "train.global_batch_size = N")."""
     n_bins = replicas * microbatches
     if replicas < 1 or microbatches < 1 or capacity < 1:
         raise ValueError(f"assign_bins: replicas={replicas}, microbatches={microbatches}, capacity={capacity}")
@@ -80,7 +82,7 @@ def bin_of_each(
         return f"sample {i} of the batch" if indices is None else f"sample {indices[i]} of the dataset"
 
     def advice() -> str:
-        return _advice(tokens, replicas, microbatches, capacity)
+        return _advice(tokens, replicas, microbatches, capacity, batch)
 
     too_long = np.flatnonzero(tok > capacity).tolist()
     if too_long:
@@ -92,7 +94,9 @@ def bin_of_each(
         )
     total = int(tok.sum())
     if total > n_bins * capacity:
-        raise BatchDoesNotFit(f"the global batch needs {total} tokens, more than its bins hold; " + advice())
+        needs = "the global batch needs" if batch is None else f"{batch} samples need"
+        raise BatchDoesNotFit(f"{needs} {total} tokens, more than {'its' if batch is None else 'their'} bins hold; "
+                              + advice())
 
     # longest first, ties: more rows, then the lower position (lexsort is stable: positions stay ascending)
     order = np.lexsort((-row_total, -tok))
@@ -217,12 +221,13 @@ def _total_rows(rows: Rows, n: int) -> np.ndarray:
     return total
 
 
-def _advice(tokens: Sequence[int], replicas: int, microbatches: int, capacity: int) -> str:
+def _advice(tokens: Sequence[int], replicas: int, microbatches: int, capacity: int, batch: str | None = None) -> str:
     """What holds the batch and which keys change it, in numbers that do not depend on the step."""
     n, longest = replicas * microbatches, max(tokens)
+    batch = batch or f"train.global_batch_size = {len(tokens)}"
     return (
-        f"train.global_batch_size = {len(tokens)} samples go to {replicas} LLM replicas × train.microbatches = "
-        f"{microbatches} bins of data.tokens_per_microbatch = {capacity} ({n * capacity} tokens); raise "
+        f"{batch} samples go to {replicas} LLM replicas × train.microbatches = {microbatches} bins of "
+        f"data.tokens_per_microbatch = {capacity} ({n * capacity} tokens); raise "
         f"train.microbatches or data.tokens_per_microbatch, or lower train.global_batch_size. Samples of at "
         f"most {longest} tokens always fit when data.tokens_per_microbatch >= {min_capacity(len(tokens), longest, n)}"
     )

@@ -49,6 +49,14 @@ class GlobalBatches(Generic[T]):
         b = self.global_batch_size
         return self._permutation(epoch)[k * b : (k + 1) * b].tolist()
 
+    def index_array(self, step: int) -> np.ndarray:
+        """`indices(step)` as an int64 array, a view of the epoch's order: no list of the whole batch (a rank that
+        plans only its cells of the step slices it)."""
+        per_epoch = len(self.dataset) // self.global_batch_size
+        epoch, k = divmod(step, per_epoch)
+        b = self.global_batch_size
+        return self._permutation(epoch)[k * b : (k + 1) * b].numpy()
+
     def drop(self, index: int) -> None:
         """Dataset item `index` is bad (e.g. its file failed to decode): None from now on."""
         self.dropped.add(index)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from loom.distributed import host_world_group
 from loom.data.shape_arrays import ShapeArrays
+from loom.data.shape_columns import ShapeColumns
 from loom.data.shapes import SampleShape
 
 Measure = Callable[[int], tuple[SampleShape, ...]]  # item index → its shapes, one per sequence
@@ -30,10 +31,13 @@ class ShapeTable:
     def __init__(self, size: int, sequences: int, encoders: Sequence[str], measure: Measure) -> None:
         self.size, self.sequences, self.encoders, self.measure = size, sequences, list(encoders), measure
         n = size * sequences
-        self.known = np.zeros(size, dtype=bool)
+        self.known, self.complete = np.zeros(size, dtype=bool), size == 0
         self.tokens, self.targets = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self.counts = {e: np.zeros(n, np.int64) for e in self.encoders}  # items per sequence
         self.rows = {e: np.zeros((n, 1), np.int64) for e in self.encoders}  # their rows, padded to the most items
+        # per sequence, what the step's totals read (`columns`), side by side so one gather takes them all; built at
+        # the first `columns` after a `put` (only a rank that plans cells reads them: 72 bytes a sequence)
+        self.numbers: np.ndarray | None = None
         self.field_set, self.fields = np.zeros(n, np.int64), {}  # field set → its code
 
     def put(self, items: np.ndarray, shapes: ShapeArrays) -> None:
@@ -58,20 +62,17 @@ class ShapeTable:
             # each item's cell: its sample's row, its rank among that sample's items
             column = np.arange(len(shapes.rows[e])) - np.repeat(shapes.offsets[e][:-1], counts)
             self.rows[e][np.repeat(seqs, counts), column] = shapes.rows[e]
+        self.numbers = None
         self.known[items] = True
+        self.complete = bool(self.known.all())  # every item measured (a world's start-up): no check per lookup
 
     def measured(self, items: list[int]) -> ShapeArrays:
         """Items `items` measured now, as arrays (one after another, their sequences side by side)."""
         return ShapeArrays.of([s for i in items for s in self.measure(i)], self.encoders)
 
-    def shapes(self, indices: np.ndarray) -> tuple[ShapeArrays, np.ndarray]:
+    def shapes(self, indices: np.ndarray, measure: bool = True) -> tuple[ShapeArrays, np.ndarray]:
         """The sequences of items `indices` (a pair's two side by side) as arrays, and each one's item index."""
-        indices = np.asarray(indices, dtype=np.int64)
-        unknown = np.unique(indices[~self.known[indices]])
-        if len(unknown):
-            self.put(unknown, self.measured(unknown.tolist()))
-        k = self.sequences
-        seqs = (indices[:, None] * k + np.arange(k)).reshape(-1)
+        indices, seqs = self._sequences(indices, measure)
         offsets, rows = {}, {}
         for e in self.encoders:
             counts = self.counts[e][seqs]
@@ -80,7 +81,32 @@ class ShapeTable:
             rows[e] = table[np.arange(table.shape[1]) < counts[:, None]]  # row-major: sample after sample
         fields = tuple(self.fields)
         return (ShapeArrays(self.tokens[seqs], self.targets[seqs], offsets, rows, fields, self.field_set[seqs]),
-                np.repeat(indices, k))
+                seqs if self.sequences == 1 else np.repeat(indices, self.sequences))
+
+    def columns(self, indices: np.ndarray) -> tuple[ShapeColumns, np.ndarray]:
+        """`shapes` as the step's totals read them: numbers per sequence, no item rows (data/shape_columns.py)."""
+        indices, seqs = self._sequences(indices)
+        if self.numbers is None:
+            self.numbers = self._numbers()
+        return (ShapeColumns(np.take(self.numbers, seqs, axis=0), tuple(self.fields), tuple(self.encoders)),
+                seqs if self.sequences == 1 else np.repeat(indices, self.sequences))
+
+    def _numbers(self) -> np.ndarray:
+        """`ShapeColumns.matrix` of every sequence, from the table's arrays (its rows padded with zeros)."""
+        t = self.tokens
+        columns = [t, t * t, self.targets, self.targets > 0, self.field_set]
+        for e in self.encoders:
+            columns += [self.rows[e].sum(axis=1), np.einsum("ij,ij->i", self.rows[e], self.rows[e])]
+        return np.stack(columns, axis=1).astype(np.int64)
+
+    def _sequences(self, indices: np.ndarray, measure: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Items `indices` (measured now where not yet known) and the table rows of their sequences."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if measure and not self.complete and not self.known[indices].all():
+            unknown = np.unique(indices[~self.known[indices]])
+            self.put(unknown, self.measured(unknown.tolist()))
+        k = self.sequences
+        return indices, indices if k == 1 else (indices[:, None] * k + np.arange(k)).reshape(-1)
 
     def share(self, rank: int, world: int) -> tuple[np.ndarray, ShapeArrays]:
         """Every world-th item from `rank`, measured: this rank's part of the start-up's measuring."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from loom.config import JobConfig
 from loom.data.bins import DoesNotFit, assign_bins
+from loom.train.plan_cells import Cells
 from loom.job import load_config
 from loom.plan_search.calibration import Calibration
 from loom.plan_search.cost import ModuleLayout, Settings
@@ -155,9 +156,14 @@ def validate(config: str | None, overrides: list[str], c: Candidate, facts: JobF
     multiple = sample_multiple(lay, cfg)
     check_longest(cfg, facts.longest, multiple)
     if cfg.data.tokens_per_microbatch:
-        for w in facts.steps:  # the bins of the drawn steps, as the step would assign them
+        cells = Cells.of(cfg.data.balance_replicas, lay.dp)
+        for w in facts.steps:  # the bins of the drawn steps, as the step would assign them: cell by cell
             tokens = [-(-n // multiple) * multiple for n in w.llm_lengths]
-            assign_bins(tokens, [0] * len(tokens), lay.dp, cfg.train.microbatches, cfg.data.tokens_per_microbatch)
+            for c in range(len(cells)):
+                items = cells.items(c, len(tokens))
+                part = tokens[items.start:items.stop]
+                assign_bins(part, [0] * len(part), len(cells.replicas(c)), cfg.train.microbatches,
+                            cfg.data.tokens_per_microbatch)
     return cfg
 
 

@@ -22,13 +22,23 @@ from loom.models.sizes import matmul_params
 
 def attention_forward_flops(lengths: list[int], layers: int, width: int, causal: bool) -> float:
     """The forward's scores and weighting: 4·L²·d per layer bidirectional, 2·L²·d causal (half the pairs)."""
+    return squares_forward_flops(sum(n * n for n in lengths), layers, width, causal)
+
+
+def squares_forward_flops(squares: int, layers: int, width: int, causal: bool) -> float:
+    """`attention_forward_flops` from the lengths' squares, summed."""
     per_pair = 2 if causal else 4
-    return per_pair * layers * width * sum(n * n for n in lengths)
+    return per_pair * layers * width * squares
 
 
 def attention_flops(lengths: list[int], layers: int, width: int, causal: bool) -> float:
     """Training's, as MFU counts them: 3× the forward (a kernel that recomputes in backward does more)."""
     return 3.0 * attention_forward_flops(lengths, layers, width, causal)
+
+
+def squares_flops(squares: int, layers: int, width: int, causal: bool) -> float:
+    """`attention_flops` from the lengths' squares, summed."""
+    return 3.0 * squares_forward_flops(squares, layers, width, causal)
 
 
 def step_flops(llm_params: int, llm_layers: int, llm_width: int, llm_lengths: list[int],
@@ -62,6 +72,16 @@ class ModelFlops:
     def step(self, llm_lengths: list[int], item_rows: dict[str, list[int]]) -> float:
         """Training FLOPs of a step: real tokens per sample, and each encoder's rows per item."""
         return step_flops(*self.llm, llm_lengths, [(*self.encoders[n], rows) for n, rows in item_rows.items()])
+
+    def of_sums(self, tokens: int, token_squares: int, rows: dict[str, tuple[int, int]]) -> float:
+        """`step` from sums alone (a step's totals, train/step_totals.py): the real tokens and their squares per
+        sample, and each encoder's item rows and their squares — the same number, no list of the global batch."""
+        params, layers, width = self.llm
+        total = 6.0 * params * tokens + squares_flops(token_squares, layers, width, True)
+        for name, (n, squares) in rows.items():
+            params, layers, width = self.encoders[name]
+            total += 6.0 * params * n + squares_flops(squares, layers, width, False)
+        return total
 
 
 def peak_matmul_tflops(device: torch.device) -> float:

@@ -1,4 +1,5 @@
-"""A rank's inputs for one optimizer step, from host data alone (the same plan on every rank, no collective).
+"""A rank's inputs for one optimizer step, from host data alone (ranks agree wherever their plans meet, with no
+collective).
 
 The global batch of step s is split into M microbatches per LLM replica: bins of exactly
 `data.tokens_per_microbatch` tokens filled by the balancing packer (data/bins.py), or, without a token
@@ -6,10 +7,11 @@ budget, contiguous equal shares, padded (bshd) to exactly [R, S]: R = global_bat
 S = `data.padded_length` tokens, so these shapes never change either. Each encoder replica then takes its
 part of every microbatch: under fan-in (more encoder replicas than LLM replicas) a contiguous, row-balanced
 part of one LLM replica's samples; under fan-out the LLM replicas of its block, one after another. The
-bridge concatenates or narrows these row runs, so it only needs each replica's row count, which every rank
-computes here. All of it is planned from the samples' shapes (data/shapes.py), as arrays (data/shape_arrays.py,
-the placement train/step_parts.py); a rank renders and decodes only the samples its LLM replica and encoder
-replicas take (`plan_shapes`).
+bridge concatenates or narrows these row runs, so it only needs the row counts of the replicas it connects, which
+the ranks concerned compute here. All of it is planned from the samples' shapes (data/shapes.py), as arrays
+(data/shape_arrays.py, the placement train/step_parts.py), in planning cells (train/plan_cells.py): past
+data.balance_replicas LLM replicas a rank plans only the cells of its own replicas, with the whole batch's totals
+beside them. A rank renders and decodes only the samples its LLM replica and encoder replicas take (`plan_cells`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ from loom.data.shape_arrays import ShapeArrays
 from loom.data.shapes import SampleShape, shape_of
 from loom.data.tokenizer import Vocabulary
 from loom.train.length_rules import limit
-from loom.train.step_parts import rounded, split_encoder_parts, split_llm_parts, step_bin_stats
+from loom.data.shape_columns import ShapeColumns
+from loom.train.cell_batch import CellBatch
+from loom.train.cell_placement import place
+from loom.train.plan_cells import Cells
+from loom.train.step_parts import item_starts, rounded, step_bin_stats
+from loom.train.step_totals import StepTotals, step_totals
 from loom.data.spans import FILLER_PIECES, TokenSpans
 
 COMPILED_TOKEN_MULTIPLE = 64
@@ -77,11 +84,12 @@ class StepInputs:
     # dataset index → why: samples whose files failed to decode here (found only by the rank that decodes
     # them; the step must not start until every rank knows them, train/step_data.py's step_inputs)
     failed: dict[int, str] = field(default_factory=dict)
-    indices: list[int] = field(default_factory=list)  # the dataset indices the microbatches hold
+    indices: list[int] = field(default_factory=list)  # the dataset indices of the samples this rank planned
     sequences: int = 0  # samples of the whole global batch with a target (sequence-normalised objectives)
-    # the global batch's work, for its FLOP count (train/flops.py): real tokens per sample, rows per encoder item
-    lengths: list[int] = field(default_factory=list)
-    item_rows: dict[str, list[int]] = field(default_factory=dict)
+    # the whole global batch's sums, its FLOP count's among them (train/flops.py); None: a step of given samples
+    totals: StepTotals | None = None
+    # dataset indices found bad when drawn (the same on every rank): in no rank's plan, so a drop needs no replan
+    left_out: frozenset[int] = frozenset()
 
     @staticmethod
     def of(batch: Batch, tokens: int = 0) -> StepInputs:
@@ -153,18 +161,34 @@ def plan_shapes(shapes: ShapeArrays | list[SampleShape], indices: list[int] | np
     BadSample it raises is noted in `failed`, as a file that fails to decode is). `shares`: module → `Share`
     (a plain (dp rank, dp size) reads its inputs); the dp rank is None for a module this rank does not host
     (non-colocated): it gets no items (no LLM batch), but the row counts, which the bridges need on both sides.
-    The placement is train/step_parts.py's, over arrays: no Python loop over the global batch's samples."""
+    The batch is planned in cells (train/plan_cells.py), as a step is: its totals are the whole batch's."""
     if not isinstance(shapes, ShapeArrays):
         shapes = ShapeArrays.of(shapes, list(counters))
     indices = np.asarray(indices, dtype=np.int64)
+    cells = Cells.of(cfg.data.balance_replicas, Share(*shares["language"]).dp_size)
+    batch = CellBatch.whole(shapes, indices, len(item_starts(indices)), None, cells, cells.windows(shares),
+                            step_totals(ShapeColumns.of(shapes)))
+    taken = batch.taken
+    return plan_cells(batch, render if taken is None else lambda p: render(int(taken[p])), cfg, tok, counters,
+                      shares, multiple, device)
+
+
+def plan_cells(batch: CellBatch, render: Callable[[int], Sample], cfg: JobConfig, tok: Vocabulary,
+               counters: dict[str, TokenCounter], shares: dict[str, Share], multiple: int, device: torch.device
+               ) -> StepInputs:
+    """This rank's microbatches of a global batch from the samples of its planning cells (`batch`; `render(p)`:
+    their sample at position p, as in `plan_shapes`). The placement is train/cell_placement.py's, over arrays: no
+    Python loop over the cells' samples, none over the rest of the batch."""
+    shapes, totals = batch.shapes, batch.totals
     rows = {n: shapes.row_sums(n) for n in counters}  # the LLM's: what the bridges carry
     work = {n: shapes.tower_sums(n) for n in counters}  # the towers': what balancing weighs
     llm_rank, llm_dp, _ = Share(*shares["language"])
-    parts = split_llm_parts(rounded(shapes.tokens, multiple), work, llm_dp, cfg.train.microbatches,
-                            cfg.data.tokens_per_microbatch, indices)
+    m = cfg.train.microbatches
+    placed, cell_parts = place(batch, rounded(shapes.tokens, multiple), work, rows, shares, m,
+                               cfg.data.tokens_per_microbatch)
     length = limit(cfg)[1] or None  # T packed, S padded: every microbatch the same shape
     # padded: [R, S], R = an equal share of the global batch (filler rows where skips left fewer samples)
-    padded_rows = cfg.train.global_batch_size // (llm_dp * len(parts)) if cfg.data.padded_length else 0
+    padded_rows = cfg.train.global_batch_size // (llm_dp * m) if cfg.data.padded_length else 0
     micro, real, failed, rendered = [], 0, {}, {}
 
     def sample(p: int) -> Sample | None:  # each position rendered once, whichever modules of this rank take it
@@ -175,38 +199,34 @@ def plan_shapes(shapes: ShapeArrays | list[SampleShape], indices: list[int] | np
                 failed[p], rendered[p] = str(e), None
         return rendered[p]
 
-    fields = shapes.batch_fields()  # the global batch's token fields: every microbatch carries them
-    for llm_parts in parts:
-        mine = llm_parts.run(llm_rank) if llm_rank is not None else []
+    for plan in placed:
+        mine = plan.llm
         real += int(shapes.tokens[mine].sum())
-        items, counts, item_rows = {}, {}, {}
+        items, item_rows = {}, {}
         for name in counters:
-            enc_rank, enc_dp, reads_inputs = Share(*shares[name])
-            enc_parts = split_encoder_parts(llm_parts, work[name], enc_dp)
-            if enc_rank is not None:
-                replica = enc_parts.run(enc_rank)  # this encoder replica's samples
-                # only this replica's items are decoded (a user's files: here), and only where its stage reads them
-                decoded = [x for p in replica for x in _decode(sample(p), p, name, failed)] if reads_inputs else []
-                items[name] = [x.to(device) for x in decoded]
-                item_rows[name] = [r for p in replica for r in shapes.item_rows(p, name)]
-            counts[name] = ReplicaRows(enc_parts.sums(rows[name]), llm_parts.sums(rows[name]))
+            if name not in plan.encoders:
+                continue
+            replica, reads_inputs = plan.encoders[name], Share(*shares[name]).reads_inputs
+            # only this replica's items are decoded (a user's files: here), and only where its stage reads them
+            decoded = [x for p in replica for x in _decode(sample(p), p, name, failed)] if reads_inputs else []
+            items[name] = [x.to(device) for x in decoded]
+            item_rows[name] = [r for p in replica for r in shapes.item_rows(p, name)]
         llm = None
         if llm_rank is not None:
             # the LLM's part goes without media: the encoders' parts above carry them
             text = [dataclasses.replace(with_streams(s, cfg, tok), images=[], audio=[]) for p in mine
                     if (s := sample(p)) is not None]
             llm = collate(text, cfg, tok, multiple, length, padded_rows)
-            for name in fields - llm.fields.keys():  # a microbatch without samples (an empty bin) carries zeros
+            for name in totals.fields - llm.fields.keys():  # a microbatch without samples (an empty bin): zeros
                 llm.fields[name] = torch.zeros(llm.labels.shape)
             llm = llm.to(device)
-        micro.append(StepBatch(llm, items, counts, item_rows))
+        micro.append(StepBatch(llm, items, plan.counts, item_rows))
     stats = {}
     if cfg.data.tokens_per_microbatch:
-        stats = step_bin_stats(parts, shapes.tokens, work, length).as_dict()
-    return StepInputs(micro, int(shapes.targets.sum()), real, stats, int(shapes.tokens.sum()),
-                      {int(indices[p]): message for p, message in failed.items()}, indices.tolist(),
-                      sequences=int((shapes.targets > 0).sum()), lengths=shapes.tokens.tolist(),
-                      item_rows={n: shapes.rows[n].tolist() for n in counters})
+        stats = step_bin_stats(cell_parts, shapes.tokens, work, length).as_dict()
+    return StepInputs(micro, totals.supervised, real, stats, totals.tokens,
+                      {int(batch.indices[p]): message for p, message in failed.items()}, batch.indices.tolist(),
+                      sequences=totals.sequences, totals=totals)
 
 
 def _decode(sample: Sample | None, p: int, name: str, failed: dict[int, str]) -> list[torch.Tensor]:

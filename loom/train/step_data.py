@@ -6,22 +6,21 @@ while step s trains: `StepPrefetcher` runs `plan_step` for the coming steps in `
 holding `data.prefetch_steps` steps ahead, pinned for asynchronous copies. Resuming at step s starts the
 workers at s; the steps they return are the ones the main process would have planned, bit for bit.
 
-A rank plans the whole global batch from its items' shapes (measured once: data/shapes.py) and renders and
-decodes only the samples its LLM replica and encoder replicas take, so its work per step is its share's, whatever
-the world. Samples found bad (data.on_bad_sample): an item whose shape cannot be measured is found by every rank
-alike; a sample that fails to render, or whose file fails to decode, only by the ranks that take it. `step_inputs`
-agrees on them over the data group before the step — one all-reduce of a count, and a gather of the samples only
-in a step where some rank found one — so every rank raises the same error, or drops the same samples and plans
-the step again without them; the workers restart after a drop, so the steps they prepare leave those out as well.
+A rank plans its planning cells of the global batch (train/plan_cells.py) from their items' shapes (measured
+once: data/shapes.py), adds up the whole batch's totals, and renders and decodes only the samples its LLM replica
+and encoder replicas take, so its work per step is its share's, whatever the world. Samples found bad
+(data.on_bad_sample): an item whose shape cannot be measured is found by every rank alike; a sample that fails to
+render, or whose file fails to decode, only by the ranks that take it. `step_inputs` agrees on them over the data
+group before the step — one all-reduce of a count, and a gather of the samples only in a step where some rank found
+one — so every rank raises the same error, or drops the same samples and plans the step again without them; the
+workers restart after a drop, so the steps they prepare leave those out as well.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
@@ -31,46 +30,12 @@ from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter
 from loom.data.loader import GlobalBatches
 from loom.data.sample import Sample, SamplePair, sequences_of
-from loom.data.shape_arrays import ShapeArrays
 from loom.data.shapes import shape_of
 from loom.data.source import BadSamples
 from loom.data.tokenizer import Vocabulary
 from loom.train.build import RankPlan
-from loom.train.inputs import StepInputs, plan_shapes
-from loom.train.step_parts import fitting_arrays
-
-
-@dataclass
-class Drawn:
-    """Global batch s as every layout and the reference train on it: its samples' shapes (nothing rendered)."""
-
-    shapes: ShapeArrays
-    indices: np.ndarray  # their dataset indices (a DPO pair's two sequences side by side, both with its index)
-    too_long: int  # left out by data.too_long = "skip"
-    bad: dict[int, str]  # dataset index → why: found bad when measured (the same on every rank), left out
-
-    def sequence(self, p: int) -> int:
-        """Which sequence of its item position p is (a DPO pair's rejected answer: 1)."""
-        k = 0
-        while p - k > 0 and self.indices[p - k - 1] == self.indices[p]:
-            k += 1
-        return k
-
-
-def draw(batches: GlobalBatches[Sample | SamplePair], step: int, cfg: JobConfig, counters: dict[str, TokenCounter],
-         multiple: int) -> Drawn:
-    """The global batch's items as shapes, a DPO pair as its two sequences side by side (both with its index):
-    looked up in arrays (a dataset's shape table), planned over arrays (train/step_parts.py)."""
-    shapes, indices, bad = batches.sequence_shapes(step, counters)
-    if not len(shapes):
-        raise BadSample(f"step {step + 1}: every sample of the global batch is bad; nothing is left to train on")
-    shapes, kept, too_long = fitting_arrays(shapes, indices, cfg, multiple, named(batches))
-    return Drawn(shapes, kept, too_long, bad)
-
-
-def named(batches: GlobalBatches) -> Callable[[int], str]:
-    """Dataset index → how messages name it: its file:line (a user's data), else its index."""
-    return getattr(batches.dataset, "where", lambda i: f"sample {i} of the dataset")
+from loom.train.inputs import StepInputs, plan_cells
+from loom.train.step_draw import Drawn, draw, named
 
 
 def rendered(batches: GlobalBatches[Sample | SamplePair], step: int, drawn: Drawn, counters: dict[str, TokenCounter]
@@ -103,15 +68,16 @@ def global_batch(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, coun
 def plan_step(batches: GlobalBatches[Sample], step: int, cfg: JobConfig, tok: Vocabulary,
               counters: dict[str, TokenCounter], shares: dict[str, tuple[int, int]], multiple: int,
               device: torch.device = torch.device("cpu")) -> StepInputs:
-    """This rank's microbatches of step `step`, on `device`, planned from the whole global batch's shapes with
-    only this rank's share rendered and decoded; `failed`: every sample found bad here, measured, rendered or
-    decoded (no collective: a worker process runs it)."""
-    drawn = draw(batches, step, cfg, counters, multiple)
-    inputs = plan_shapes(drawn.shapes, drawn.indices, rendered(batches, step, drawn, counters), cfg, tok, counters,
-                         shares, multiple, device)
+    """This rank's microbatches of step `step`, on `device`, planned from the shapes of its planning cells'
+    samples (train/step_draw.py) with only this rank's share rendered and decoded; `failed`: every sample found
+    bad here, measured, rendered or decoded (no collective: a worker process runs it)."""
+    drawn = draw(batches, step, cfg, counters, multiple, shares)
+    inputs = plan_cells(drawn.batch, rendered(batches, step, drawn, counters), cfg, tok, counters, shares, multiple,
+                        device)
     inputs.failed.update(drawn.bad)
-    if drawn.too_long:
-        inputs.stats["skipped_too_long"] = float(drawn.too_long)
+    inputs.left_out = frozenset(drawn.bad)
+    if drawn.batch.totals.skipped:
+        inputs.stats["skipped_too_long"] = float(drawn.batch.totals.skipped)
     return inputs
 
 
@@ -132,7 +98,7 @@ def step_inputs(batches: GlobalBatches[Sample], step: int, plan: RankPlan, cfg: 
         for index, why in failed.items():
             batches.drop(index)
             bad.add(where(index), why)
-        if not failed.keys() & set(inputs.indices):  # found when drawn: already left out of this plan
+        if failed.keys() <= inputs.left_out:  # all found when drawn: already left out of every rank's plan
             inputs.failed = {}
             break
         inputs = planned()

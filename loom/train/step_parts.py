@@ -19,6 +19,7 @@ import numpy as np
 from loom.config import JobConfig
 from loom.data.bins import BinStats, bin_of_each, stats_of_loads
 from loom.data.shape_arrays import ShapeArrays
+from loom.data.shapes import SampleShape
 from loom.train.length_rules import fitting, limit
 
 
@@ -74,38 +75,51 @@ def fitting_arrays(shapes: ShapeArrays, indices: np.ndarray, cfg: JobConfig, mul
                    named: Callable[[int], str] | None = None) -> tuple[ShapeArrays, np.ndarray, int]:
     """train/inputs.py `fitting` over arrays: the sequences that fit (all, under data.too_long = "error", or its
     BadSample for the first item that does not), their indices, and how many were dropped."""
-    _, budget = limit(cfg)
-    if not budget or not len(shapes):
+    keep = fitting_mask(shapes.tokens, indices, cfg, multiple, lambda a, b: [shapes.shape(p) for p in range(a, b)],
+                        named)
+    if keep is None:
         return shapes, indices, 0
+    kept = np.flatnonzero(keep)
+    return shapes.take(kept), indices[kept], len(shapes) - len(kept)
+
+
+def fitting_mask(tokens: np.ndarray, indices: np.ndarray, cfg: JobConfig, multiple: int,
+                 group: Callable[[int, int], list[SampleShape]], named: Callable[[int], str] | None = None
+                 ) -> np.ndarray | None:
+    """`fitting_arrays` over the sequences' lengths alone: which sequences stay (None: all), or the BadSample for
+    the first item that does not fit under data.too_long = "error" (`group(a, b)`: the shapes of positions a … b − 1,
+    which its message reads)."""
+    _, budget = limit(cfg)
+    if not budget or not len(tokens):
+        return None
     starts = item_starts(indices)
-    padded = rounded(shapes.tokens, multiple)
+    padded = rounded(tokens, multiple)
     together = cfg.data.format == "thd"  # packed: a pair's two sequences share T; padded: each its own row
     need = (np.add if together else np.maximum).reduceat(padded, starts)
     over = np.flatnonzero(need > budget)
     if cfg.data.too_long != "skip":
         if len(over):  # the list version words the error
             g = int(over[0])
-            end = int(starts[g + 1]) if g + 1 < len(starts) else len(shapes)
-            group = [shapes.shape(p) for p in range(int(starts[g]), end)]
-            fitting(group, [int(indices[starts[g]])] * len(group), cfg, multiple, named)
-        return shapes, indices, 0
+            end = int(starts[g + 1]) if g + 1 < len(starts) else len(tokens)
+            shapes = group(int(starts[g]), end)
+            fitting(shapes, [int(indices[starts[g]])] * len(shapes), cfg, multiple, named)
+        return None
     if not len(over):
-        return shapes, indices, 0
-    keep = np.repeat(need <= budget, np.diff(np.concatenate([starts, [len(shapes)]])))
-    kept = np.flatnonzero(keep)
-    return shapes.take(kept), indices[kept], len(shapes) - len(kept)
+        return None
+    return np.repeat(need <= budget, np.diff(np.concatenate([starts, [len(tokens)]])))
 
 
 def split_llm_parts(tokens: np.ndarray, rows: dict[str, np.ndarray], dp: int, microbatches: int, budget: int,
-                    indices: np.ndarray) -> list[Parts]:
-    """Per microbatch, the LLM replicas' positions (`tokens` rounded to the sample multiple)."""
+                    indices: np.ndarray, batch: str | None = None) -> list[Parts]:
+    """Per microbatch, the LLM replicas' positions (`tokens` rounded to the sample multiple); `batch`: what the
+    packer's errors call the samples (a planning cell's, train/plan_cells.py)."""
     m, n = microbatches, len(tokens)
     starts = item_starts(indices)
     sizes = np.diff(np.concatenate([starts, [n]])).astype(np.int64)
     if budget:
         item_tokens = np.add.reduceat(tokens, starts) if n else np.zeros(0, np.int64)
         item_rows = {e: (np.add.reduceat(r, starts) if n else np.zeros(0, np.int64)) for e, r in rows.items()}
-        where = bin_of_each(item_tokens, item_rows, dp, m, budget, _Named(indices, starts))
+        where = bin_of_each(item_tokens, item_rows, dp, m, budget, _Named(indices, starts), batch)
         # microbatch k holds replica r's bin r·M + k: the items ordered by (k, r), ascending inside a bin (a stable
         # sort keeps them so), then cut per microbatch, each cut per replica
         slot = (where % m) * dp + where // m

@@ -72,7 +72,8 @@ class Trainer:
         else:
             inputs = StepInputs.of(collate(samples, self.cfg, self.tok).to(self.device), tokens=sum(map(len, samples)))
         self.last_tokens, self.last_stats = inputs.global_tokens, inputs.stats
-        self.last_flops = self.model_flops.step(inputs.lengths, inputs.item_rows) if inputs.lengths else 0.0
+        t = inputs.totals
+        self.last_flops = self.model_flops.of_sums(t.tokens, t.token_squares, t.rows) if t is not None else 0.0
         result = self.plan.train_step(self.model, self.optimizer, inputs, self.cfg, self.step)
         self.step += 1
         return result
