@@ -21,8 +21,6 @@ Runs on every rank of N under torchrun (`python -m loom.plan_search.calibrate --
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,20 +29,7 @@ import torch.nn.functional as F
 
 from loom.plan_search.calibration import Calibration, LayerFacts, Link, save_calibration
 from loom.plan_search.cost import collective_s
-from loom.plan_search.layer_probe import time_layer
-
-
-def _timed(fn, repeats: int, sync) -> float:
-    """Median seconds of `fn` over `repeats` calls after one warm-up."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from loom.plan_search.layer_probe import median_seconds, time_layer
 
 
 class _Block(nn.Module):
@@ -86,7 +71,7 @@ def _split_block_s(kind: str, group, device: torch.device, repeats: int, sync) -
             block.set_force_sum_reduction_for_comms(True)
     x = torch.randn(16, 64, device=device, requires_grad=True)
     dist.barrier()
-    return _timed(lambda: block(x).sum().backward(), repeats * 3, sync)
+    return median_seconds(lambda: block(x).sum().backward(), repeats * 3, sync)
 
 
 def _priced(cal_links: dict[str, dict[int, Link]], kind: str, g: int) -> float:
@@ -112,15 +97,15 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
     n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     dist.barrier()
-    matmul_s = slowest(_timed(lambda: a @ b, repeats, sync))
+    matmul_s = slowest(median_seconds(lambda: a @ b, repeats, sync))
     big = torch.ones((1 << 30) // 4 if cuda else (64 << 20) // 4, device=device)
     dst = torch.zeros_like(big)  # written before timing: no first-touch page faults in the copy
     dist.barrier()
-    copy_s = slowest(_timed(lambda: dst.copy_(big), repeats, sync))
+    copy_s = slowest(median_seconds(lambda: dst.copy_(big), repeats, sync))
     block = _Block().to(device)
     x = torch.randn(16, 64, device=device, requires_grad=True)
     dist.barrier()
-    layer_s = slowest(_timed(lambda: block(x).sum().backward(), repeats * 3, sync))
+    layer_s = slowest(median_seconds(lambda: block(x).sum().backward(), repeats * 3, sync))
     matmul, memory = 2 * n**3 / matmul_s, 2 * big.numel() * 4 / copy_s  # read + write
     layers = {}
     for kind in ("decoder", "encoder"):
@@ -145,7 +130,7 @@ def measure(device: torch.device, quick: bool = False) -> Calibration:
                     fn = ((lambda o=out, p=part: dist.all_gather_into_tensor(o, p, group=mine)) if kind == "all_gather"
                           else (lambda o=out: dist.all_reduce(o, group=mine)))
                     dist.barrier()
-                    times[nbytes] = slowest(_timed(fn, repeats, sync))
+                    times[nbytes] = slowest(median_seconds(fn, repeats, sync))
                 factor = (2 if kind == "all_reduce" else 1) * (g - 1) / g  # bus bytes per buffer byte
                 extra = max(times[large] - times[small], 1e-9)
                 links[kind][g] = Link(times[small], factor * (large - small) / extra)

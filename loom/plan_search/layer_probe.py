@@ -14,6 +14,7 @@ reference shape, forward + backward, eager, in the step's dtype (bf16 on CUDA, a
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -78,7 +79,8 @@ def _runner(kind: str, device: torch.device, dtype: torch.dtype) -> Callable[...
     return run
 
 
-def _median(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+def median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    """Median seconds of `fn` over `repeats` calls after one warm-up (`sync`: waits for the device)."""
     fn()
     sync()
     times = []
@@ -87,7 +89,7 @@ def _median(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> f
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def _attention_s(sizes: ModuleSizes, rows: int, items: int, device: torch.device, dtype: torch.dtype,
@@ -98,7 +100,7 @@ def _attention_s(sizes: ModuleSizes, rows: int, items: int, device: torch.device
     k, v = (torch.randn(rows * items, sizes.kv_heads, d, device=device, dtype=dtype, requires_grad=True)
             for _ in range(2))
     grad, spans = torch.randn_like(q), TokenSpans.from_lengths([rows] * items, device)
-    return _median(lambda: attend(q, k, v, spans, sizes.causal).backward(grad), repeats, sync)
+    return median_seconds(lambda: attend(q, k, v, spans, sizes.causal).backward(grad), repeats, sync)
 
 
 def _executed(sizes: ModuleSizes, rows: int, items: int) -> float:
@@ -111,10 +113,10 @@ def time_layer(kind: str, device: torch.device, repeats: int, sync: Callable[[],
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     sizes, run = reference_sizes(kind, device), _runner(kind, device, dtype)
-    host = _median(lambda: run(FEW, 1), repeats * 3, sync)
-    forward = _median(lambda: run(FEW, 1, forward_only=True), repeats * 3, sync)
+    host = median_seconds(lambda: run(FEW, 1), repeats * 3, sync)
+    forward = median_seconds(lambda: run(FEW, 1, forward_only=True), repeats * 3, sync)
     *_, items, rows = SHAPES[kind][not cuda]
-    whole = _median(lambda: run(rows, items), repeats, sync)
+    whole = median_seconds(lambda: run(rows, items), repeats, sync)
     attention = _attention_s(sizes, rows, items, device, dtype, repeats, sync)
     matmuls = 6.0 * sizes.matmul_params * rows * items / matmul_flops_per_s
     left = whole - matmuls - attention - (0.0 if cuda else host)  # on a CPU the host's time is the device's too
