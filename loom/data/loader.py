@@ -44,10 +44,7 @@ class GlobalBatches(Generic[T]):
 
     def indices(self, step: int) -> list[int]:
         """Dataset indices of global batch `step` (an epoch's leftover is dropped, so batches stay full)."""
-        per_epoch = len(self.dataset) // self.global_batch_size
-        epoch, k = divmod(step, per_epoch)
-        b = self.global_batch_size
-        return self._permutation(epoch)[k * b : (k + 1) * b].tolist()
+        return self.index_array(step).tolist()
 
     def index_array(self, step: int) -> np.ndarray:
         """`indices(step)` as an int64 array, a view of the epoch's order: no list of the whole batch (a rank that
