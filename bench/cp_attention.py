@@ -10,8 +10,11 @@ on the causal FLOPs executed):
 - `cudnn-blocks`: each chunk as two dense blocks — the keys before it (no mask) and its own square (causal) — by
   cuDNN's SDPA, the two outputs merged by their log-sum-exps; the merge's elementwise work included;
 - `flash-blocks`: the same blocks by SDPA's FlashAttention backend;
-- at cp = 1 the whole samples: `varlen` against cuDNN SDPA one sample at a time.
-Every row's output is compared with the `varlen` row's (max |Δ|, bf16).
+- at cp = 1 the whole samples: `varlen` against cuDNN SDPA one sample at a time;
+- `--crossover`: 32K tokens of equal documents, 1K to 16K long, `varlen` against cuDNN one document at a time:
+  where a document is long enough for its own cuDNN call.
+Every row's output is compared with the `varlen` row's (max |Δ|, bf16); the crossover rows compare the gradients
+of q, k and v too.
 """
 
 from __future__ import annotations
@@ -99,11 +102,38 @@ def whole_samples_cudnn(q, k, v, lengths):
     return run
 
 
+def crossover_rows(total: int = 32768) -> None:
+    torch.manual_seed(0)
+    for n in (1024, 2048, 4096, 8192, 16384):
+        lengths = [n] * (total // n)
+        blocks = [(s, s, s + n) for s in range(0, total, n)]
+        grads = {}
+        for name in ("varlen", "cudnn-whole"):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(total, h, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for h in (HEADS, KV_HEADS, KV_HEADS))
+            fn = varlen_prefix(q, k, v, blocks) if name == "varlen" else whole_samples_cudnn(q, k, v, lengths)
+            out = fn()
+            g = torch.randn_like(out, generator=None)
+            out.backward(g)
+            grads[name] = [out.detach()] + [t.grad.detach().clone() for t in (q, k, v)]
+            row = {"probe": "crossover", "document": n, "documents": len(lengths), "kernel": name}
+            if name != "varlen":
+                row["max_diff_out_dq_dk_dv"] = [round(float((a - b).abs().max()), 4)
+                                                for a, b in zip(grads[name], grads["varlen"])]
+            ms = timed(lambda: fn().backward(g), reps=10, warmup=3)
+            row["ms"], row["tflops"] = round(ms, 3), round(causal_flops(blocks) / ms / 1e9, 1)
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cp", type=int, default=4)
     p.add_argument("--samples", default="14336,18432")
+    p.add_argument("--crossover", action="store_true")
     args = p.parse_args()
+    if args.crossover:
+        return crossover_rows()
     lengths = [int(x) for x in args.samples.split(",")]
     total = sum(lengths)
     torch.manual_seed(0)
@@ -112,8 +142,8 @@ def main() -> None:
     v = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for cp in sorted({1, args.cp}):
         for rank in range(cp):
-            blocks = chunks_of(lengths, rank, cp) if cp > 1 else [(s, s, s + n) for s, n in
-                                                                   zip([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()], lengths)]
+            starts = [0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()]
+            blocks = chunks_of(lengths, rank, cp) if cp > 1 else [(s, s, s + n) for s, n in zip(starts, lengths)]
             flops = causal_flops(blocks)
             runs = {"varlen": varlen_prefix(q, k, v, blocks)}
             if cp == 1:

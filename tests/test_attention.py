@@ -113,6 +113,83 @@ def test_values_narrower_than_keys_through_every_packed_path(monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+def test_long_samples_apart_equals_the_reference():
+    """Long samples in dense calls of their own, the runs of short ones between them in one packed call each, the
+    pieces put back in token order: the same outputs and gradients as the naive reference. The kernels are CPU
+    stand-ins (per-sample SDPA) that record what each call received, so a misplaced run boundary changes the
+    samples a call sees and the answer with them."""
+    from loom.models.attention import _packed_sdpa, grouped_sdpa, long_samples_apart
+
+    lengths = [3, 20, 5, 7, 16, 25, 2, 0, 0]  # long from 16: samples 1, 4, 5; empty budget segments at the end
+    seen = []
+
+    def run(q, k, v, spans, causal):
+        seen.append(("run", [b - a for a, b in zip(spans.bounds[:-1], spans.bounds[1:])]))
+        return _packed_sdpa(q, k, v, spans, causal)
+
+    def one(q, k, v, causal):
+        seen.append(("one", q.shape[0]))
+        out = grouped_sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), causal=causal)
+        return out.squeeze(0).transpose(0, 1)
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (t.requires_grad_() for t in _qkv(sum(lengths), 4, 2, 8, g))
+    spans = TokenSpans.from_lengths(lengths)
+    out = long_samples_apart(q, k, v, spans, True, long_from=16, run=run, one=one)
+    assert seen == [("run", [3]), ("one", 20), ("run", [5, 7]), ("one", 16), ("one", 25), ("run", [2, 0, 0])]
+    ref = naive_attention(q, k, v, block_mask(lengths, True))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(attend(q, k, v, spans, causal=True), (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_sample_padded_to_its_shape_is_exact():
+    """A long sample's own call pads its tokens to LONG_SAMPLE_MULTIPLE (few shapes, few cuDNN plans); under the
+    causal mask no real query reads a padded key, so outputs and gradients equal the unpadded call's."""
+    from loom.models.attention import LONG_SAMPLE_MULTIPLE, _dense_first_cudnn, grouped_sdpa
+
+    n = LONG_SAMPLE_MULTIPLE + 300
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (t.requires_grad_() for t in _qkv(n, 4, 2, 8, g))
+    out = _dense_first_cudnn(q, k, v, causal=True)
+    ref = grouped_sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), causal=True).squeeze(0).transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_long_samples_flag():
+    from loom.data.spans import LONG_SAMPLE
+
+    assert TokenSpans.from_lengths([LONG_SAMPLE, 3]).long_samples
+    assert not TokenSpans.from_lengths([LONG_SAMPLE - 1, 3], segments=8, max_seqlen=4 * LONG_SAMPLE).long_samples
+    assert TokenSpans.from_cu_seqlens(torch.tensor([0, 5, 5 + LONG_SAMPLE])).long_samples
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN and FlashAttention run on a GPU")
+def test_long_samples_on_the_gpu_match_varlen():
+    """`auto` on a GPU: samples of LONG_SAMPLE tokens or more through cuDNN, one call each, the rest through varlen;
+    against varlen alone (FlashAttention 2) at bf16's precision, outputs and gradients."""
+    from loom.data.spans import LONG_SAMPLE
+
+    lengths = [300, LONG_SAMPLE + 512, 77, 500, LONG_SAMPLE, 41]
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(sum(lengths), h, 128, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (12, 2, 2))
+    grad = torch.randn(sum(lengths), 12, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for backend in ("auto", "varlen"):
+        spans = TokenSpans.from_lengths(lengths, device="cuda", backend=backend)
+        out = attend(q, k, v, spans, causal=True)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02)
+
+
 def test_packed_mask_matters():
     """Control: the naive reference with one big segment differs, so the comparison above can fail."""
     g = torch.Generator().manual_seed(4)

@@ -18,6 +18,10 @@ FILLER_PIECES = 8
 # themselves, dropped after the layers): the layers then see few distinct sizes, which keeps torch.compile's
 # variants few (here, not in models/encoder_layer.py: topology/checks.py checks sequence parallel against it)
 ROW_MULTIPLE = 64
+# from this many tokens a sample's causal attention runs best in a call of its own through cuDNN's dense kernel:
+# 1.52× FlashAttention 2 varlen at 8,192 tokens, 1.69× at 16,384, even at 4,096 (one H200, Qwen2-1.5B's heads,
+# bench/cp_attention.py --crossover; bench/RESULTS.md 2026-11-29)
+LONG_SAMPLE = 8192
 
 
 def filler_lengths(fill: int, multiple: int = 1) -> list[int]:
@@ -47,6 +51,8 @@ class TokenSpans:
     # every sample this many tokens long (empty padding segments aside), 0 otherwise: SDPA then attends over the
     # samples as rows of one batch, in one call (models/attention.py); a host int, so compiled code may branch on it
     equal_length: int = 0
+    # some sample is LONG_SAMPLE tokens or longer (a host bool, so compiled code may branch on it: two variants)
+    long_samples: bool = False
 
     @property
     def packed(self) -> bool:
@@ -56,7 +62,8 @@ class TokenSpans:
     def from_cu_seqlens(cu_seqlens: torch.Tensor, backend: str = "auto") -> TokenSpans:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         max_len = int(lengths.max()) if lengths.numel() else 0
-        return TokenSpans(cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max_len, backend=backend)
+        return TokenSpans(cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max_len, backend=backend,
+                          long_samples=max_len >= LONG_SAMPLE)
 
     @staticmethod
     def from_lengths(lengths: list[int], device: torch.device | str = "cpu", backend: str = "auto",
@@ -79,7 +86,8 @@ class TokenSpans:
         cu = cu.to(device, non_blocking=True)
         real = {n for n in lengths if n}
         return TokenSpans(cu_seqlens=cu, max_seqlen=max_seqlen or max(lengths, default=0), backend=backend,
-                          bounds=bounds, equal_length=real.pop() if len(real) == 1 else 0)
+                          bounds=bounds, equal_length=real.pop() if len(real) == 1 else 0,
+                          long_samples=max(lengths, default=0) >= LONG_SAMPLE)
 
     @staticmethod
     def from_pad_mask(pad_mask: torch.Tensor, backend: str = "auto") -> TokenSpans:

@@ -15,7 +15,9 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from loom.data.spans import TokenSpans
+from loom.data.spans import LONG_SAMPLE, TokenSpans
+
+LONG_SAMPLE_MULTIPLE = 1024  # what a long sample's tokens are padded to for its own call (_dense_first_cudnn)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: TokenSpans, causal: bool) -> torch.Tensor:
@@ -24,6 +26,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: TokenSpans,
         return spans.context.attend(q, k, v, causal, spans.backend)
     if spans.packed:
         if _use_varlen(spans.backend, q):
+            if spans.long_samples and spans.backend == "auto" and causal and v.shape[-1] == q.shape[-1]:
+                return long_samples_apart(q, k, v, spans, causal)
             return _varlen(q, k, v, spans, spans, causal)
         if spans.equal_length and q.shape[0] % spans.equal_length == 0:
             return _rows_sdpa(q, k, v, spans.equal_length, causal)
@@ -110,6 +114,52 @@ def _varlen(q, k, v, q_spans: TokenSpans, k_spans: TokenSpans, causal: bool) -> 
         else:
             k, v = _repeat_kv(k, q.shape[-2]), _repeat_kv(v, q.shape[-2])
     return fn(q, k, v, q_spans.cu_seqlens, k_spans.cu_seqlens, q_spans.max_seqlen, k_spans.max_seqlen, **kwargs)
+
+
+@torch.compiler.disable  # a loop over the samples' host bounds: compiled code would guard on every length
+def long_samples_apart(q, k, v, spans: TokenSpans, causal: bool, long_from: int = LONG_SAMPLE,
+                       run=None, one=None) -> torch.Tensor:
+    """Packed attention with each sample of `long_from` tokens or more in a dense call of its own (`one`: cuDNN
+    first), every run of shorter samples between them in one varlen call (`run`); pieces in token order.
+    `run(q, k, v, spans, causal)` and `one(q, k, v, causal)` are the GPU kernels unless given (tests: CPU ones)."""
+    run, one = run or _varlen_run, one or _dense_first_cudnn
+    bounds = host_bounds(spans)
+    pieces, first = [], 0  # first: the index of the first sample of the current run of short ones
+
+    def flush(stop: int) -> None:  # samples first..stop-1 as one packed call
+        start, end = bounds[first], bounds[stop]
+        if end > start:
+            lengths = [b - a for a, b in zip(bounds[first:stop], bounds[first + 1 : stop + 1])]
+            sub = TokenSpans(cu_seqlens=spans.cu_seqlens[first : stop + 1] - start, max_seqlen=max(lengths),
+                             backend=spans.backend, bounds=tuple(b - start for b in bounds[first : stop + 1]))
+            pieces.append(run(q[start:end], k[start:end], v[start:end], sub, causal))
+
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end - start >= long_from:
+            flush(i)
+            pieces.append(one(q[start:end], k[start:end], v[start:end], causal))
+            first = i + 1
+    flush(len(bounds) - 1)
+    return torch.cat(pieces) if pieces else _no_rows(q, v)
+
+
+def _varlen_run(q, k, v, spans: TokenSpans, causal: bool) -> torch.Tensor:
+    return _varlen(q, k, v, spans, spans, causal)
+
+
+def _dense_first_cudnn(q, k, v, causal: bool) -> torch.Tensor:
+    """One causal sample, [tokens, heads, dim]: SDPA with cuDNN's kernel first (FlashAttention 2 otherwise), its
+    tokens padded at the end to a multiple of LONG_SAMPLE_MULTIPLE: cuDNN builds an execution plan per shape
+    (~0.15 s of host each, against 2–6 ms a call), so sample lengths share a few shapes over a run. Exact for the
+    real tokens: under a causal mask no query reads a key after it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n = q.shape[0]
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, -n % LONG_SAMPLE_MULTIPLE)) for t in (q, k, v))
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(order, set_priority=True):
+        out = grouped_sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), causal=causal)
+    return out.squeeze(0).transpose(0, 1)[:n]
 
 
 def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
