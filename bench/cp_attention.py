@@ -112,8 +112,8 @@ def main() -> None:
     v = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for cp in sorted({1, args.cp}):
         for rank in range(cp):
-            blocks = chunks_of(lengths, rank, cp) if cp > 1 else [(s, s, s + n) for s, n in
-                                                                   zip([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()], lengths)]
+            starts = [0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()]
+            blocks = chunks_of(lengths, rank, cp) if cp > 1 else [(s, s, s + n) for s, n in zip(starts, lengths)]
             flops = causal_flops(blocks)
             runs = {"varlen": varlen_prefix(q, k, v, blocks)}
             if cp == 1:
