@@ -34,8 +34,8 @@ rank layouts, and its absolute times are estimates; how well it does either is m
 
 Memory per GPU: fp32 weights, gradients and AdamW moments (16 bytes a parameter) sharded over the module's
 dp×cp (experts: ep × efsdp), the unsharded gradient accumulated over microbatches, the gathered weights, and
-activations per token per layer as loom's eager layers save them (activations.py) for the microbatches in flight, the largest
-replica's microbatch (the fullest GPU's).
+activations per token per layer as loom's eager layers save them (activations.py) for the microbatches in
+flight, the largest replica's microbatch (the fullest GPU's).
 """
 
 from __future__ import annotations
