@@ -124,7 +124,7 @@ def summarise(path: str, calibration: str | None, per_gpu: int, attention_of_def
         workload = "" if row.get("workload", "2b") == "2b" else row["workload"]
         overrides, cfg, facts = bench_facts(c.world_size, per_gpu, steps, workload)
         e = estimate_steps(facts.sizes, c.layouts, settings_of(cfg, c), facts.steps, cal)
-        out.append({**row, "predicted_again_s": e.step_s,
+        out.append({**row, "predicted_again_s": e.step_s, "predicted_again_memory_gib": e.memory_bytes / 2**30,
                     "predicted_again_terms_ms": {k: round(v * 1e3, 1) for k, v in e.seconds.items() if v}})
     done = [r for r in out if r.get("measured_step_s")]
     for r in out:
@@ -132,6 +132,9 @@ def summarise(path: str, calibration: str | None, per_gpu: int, attention_of_def
         print(f"{r['rank_predicted']:>2} {r['layout']:<72} recorded {r['predicted_step_s']:.3f} s, again "
               f"{r['predicted_again_s']:.3f} s, measured " + (f"{m:.3f} s ({m / r['predicted_again_s']:.2f}×)"
                                                                if m else "—") + f"  {r['predicted_again_terms_ms']}")
+        peak = r.get("measured_peak_gib")
+        print(f"   memory GiB: recorded {r['predicted_memory_gib']:.1f}, again {r['predicted_again_memory_gib']:.1f}, "
+              f"measured peak " + (f"{peak:.1f} ({peak / r['predicted_again_memory_gib']:.2f}×)" if peak else "—"))
     if len(done) >= 3:
         for key in ("predicted_step_s", "predicted_again_s"):
             rho = spearman([r[key] for r in done], [r["measured_step_s"] for r in done])

@@ -34,14 +34,16 @@ rank layouts, and its absolute times are estimates; how well it does either is m
 
 Memory per GPU: fp32 weights, gradients and AdamW moments (16 bytes a parameter) sharded over the module's
 dp×cp (experts: ep × efsdp), the unsharded gradient accumulated over microbatches, the gathered weights, and
-activations per token per layer (`activation_bytes_per_token_layer`) for the microbatches in flight, the largest
-replica's microbatch (the fullest GPU's).
+activations per token per layer as loom's eager layers save them (activations.py) for the microbatches in
+flight, the largest replica's microbatch (the fullest GPU's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loom.plan_search.activations import (activation_bytes_per_token_layer, head_bytes_per_row,
+                                          saved_bytes_per_token_layer)
 from loom.plan_search.calibration import Calibration
 from loom.plan_search.replicas import Shares
 from loom.train.flops import attention_forward_flops
@@ -71,6 +73,8 @@ class ModuleSizes:
     sparse_layers: int = 0  # mixture-of-experts layers
     top_k: int = 0
     out_width: int = 0  # an encoder's rows into the LLM (the LLM's hidden size)
+    norm_fp32: bool = False  # RMSNorm (normalises in fp32, keeps its fp32 input); LayerNorm otherwise
+    qk_norm: bool = False  # RMSNorm on q and k (Qwen3)
     # column-parallel projections per layer under tp (without sequence parallel each all-reduces its input's
     # gradient: DTensor makes the input replicated per module); 2 = Megatron's fused qkv and gate/up
     column_linears: float = 2
@@ -129,6 +133,7 @@ class Settings:
     replicated: frozenset[str] = frozenset()  # modules with `fsdp = false`: whole on each dp·cp rank
     shard: dict[str, int] = field(default_factory=dict)  # HSDP: module → its `shard` (the ranks FSDP2 shards over)
     pad_to_multiple: int = 1  # data.pad_to_multiple: every sample's tokens rounded up to it (× 2·cp under cp)
+    compiled: bool = False  # train.compile: compiled blocks (and loss) save less (activations.py)
 
 
 @dataclass
@@ -192,20 +197,6 @@ def collective_s(cal: Calibration, kind: str, group: int, nbytes: float, calls: 
 def fsdp_bytes(params: int, tp: int, pp: int, param_bytes: int) -> float:
     """The buffer one FSDP all-gather of a module's (stage's, tp shard's) parameters fills."""
     return params / (tp * pp) * param_bytes
-
-
-def activation_bytes_per_token_layer(m: ModuleSizes, tp: int, dtype_bytes: int, sequence_parallel: bool = False,
-                                     checkpointing: str = "none") -> float:
-    """Activations a layer keeps for backward, per token (the estimate of Korthikanti et al. 2022, with flash
-    attention's O(L) memory): the norms' and projections' inputs (4 × hidden: split over tp only under sequence
-    parallel), q, k, v and the attention output (split over tp; K/V heads replicated when tp > KV heads), and
-    the MLP's `mlp_tensors` × width (split over tp). Full checkpointing keeps only the block's input."""
-    if checkpointing == "full":
-        return m.hidden * dtype_bytes / (tp if sequence_parallel else 1)
-    replicated = 4 * m.hidden / (tp if sequence_parallel else 1)
-    kv = 2 * m.kv_width / min(tp, m.kv_heads)
-    split = (2 * m.attention_width) / tp + kv + m.mlp_tensors * m.mlp_width / tp
-    return (replicated + split) * dtype_bytes
 
 
 # ---------------------------------------------------------------- one module on its ranks
@@ -312,11 +303,14 @@ def module_costs(m: ModuleSizes, lay: ModuleLayout, s: Settings, work_tokens: in
     in_flight = 1
     if pp > 1:
         in_flight = runs_per_step if s.pp_schedule == "gpipe" else min(pp, runs_per_step)
-    act_layer = activation_bytes_per_token_layer(m, tp, s.dtype_bytes, s.sequence_parallel, s.activation_checkpointing)
+    act_layer = saved_bytes_per_token_layer(m, tp, s.dtype_bytes, s.sequence_parallel, s.activation_checkpointing,
+                                            s.compiled)
     largest_mb = shares.largest / cp  # the fullest rank's microbatch
     c.bytes["activations"] = act_layer * largest_mb * layers * in_flight
-    if s.activation_checkpointing == "full":  # one block's full activations while it recomputes
-        c.bytes["activations"] += act * largest_mb
-    if m.vocab:  # fp32 logits and their gradient, on the last stage: a microbatch's head rows
-        c.bytes["logits"] = 2 * 4 * largest_mb * (head_tokens / work_tokens if work_tokens else 1) * m.vocab / tp
+    if s.activation_checkpointing != "none":  # one block's full activations while it recomputes
+        c.bytes["activations"] += saved_bytes_per_token_layer(m, tp, s.dtype_bytes, s.sequence_parallel, "none",
+                                                              s.compiled) * largest_mb
+    if m.vocab:  # the head and loss at their peak (activations.py), on the last stage: a microbatch's head rows
+        rows = largest_mb * (head_tokens / work_tokens if work_tokens else 1)
+        c.bytes["logits"] = rows * head_bytes_per_row(m.vocab, tp, s.dtype_bytes, s.compiled and tp == 1)
     return c

@@ -146,7 +146,7 @@ def settings_of(cfg: JobConfig, c: Candidate) -> Settings:
                                          if (lay := getattr(cfg.layout, n)) is not None and not lay.fsdp),
                     shard={n: lay.shard for n in ("language", *cfg.model.encoders)
                            if (lay := getattr(cfg.layout, n)) is not None and lay.shard},
-                    pad_to_multiple=cfg.data.pad_to_multiple)
+                    pad_to_multiple=cfg.data.pad_to_multiple, compiled=cfg.train.compile)
 
 
 def validate(config: str | None, overrides: list[str], c: Candidate, facts: JobFacts) -> JobConfig:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from loom.config import JobConfig
 from loom.data.batch import supervised_count
 from loom.data.format import TokenCounter
-from loom.models.layers import SwiGLU
+from loom.models.layers import RMSNorm, SwiGLU
 from loom.plan_search.cost import ModuleSizes, Workload
 from loom.train.flops import matmul_params
 from loom.train.job_data import build_job_data, job_tokenizer, with_vocabulary
@@ -62,13 +62,16 @@ def module_sizes(model) -> dict[str, ModuleSizes]:
         "language", sum(p.numel() for p in model.language.parameters()), experts, matmul_params(model.language),
         lm.num_layers, lm.hidden_size, lm.num_heads * d, lm.num_kv_heads * d, lm.num_kv_heads, mlp_width, 4, True,
         vocab=lm.vocab_size, sparse_layers=sparse, top_k=lm.num_experts_per_tok if sparse else 0,
-        column_linears=3 + 2 * dense / lm.num_layers)}  # q, k, v; gate and up where the MLP is split (not experts)
+        column_linears=3 + 2 * dense / lm.num_layers,  # q, k, v; gate and up where the MLP is split (not experts)
+        norm_fp32=True, qk_norm=bool(lm.qk_norm))}
     for name in model.encoder_names:
         enc = model.encoder(name)
         ec = enc.encoder.cfg
+        first = next(enc.encoder.layers.children())
         sizes[name] = ModuleSizes(
             name, sum(p.numel() for p in enc.parameters()), 0, matmul_params(enc), ec.num_layers, ec.hidden_size,
             ec.hidden_size, ec.hidden_size, ec.num_heads, ec.intermediate_size, 2, False, out_width=lm.hidden_size,
             # q, k, v; then gate and up (a SwiGLU tower's) or fc1
-            column_linears=3 + (2 if isinstance(next(enc.encoder.layers.children()).mlp, SwiGLU) else 1))
+            column_linears=3 + (2 if isinstance(first.mlp, SwiGLU) else 1),
+            norm_fp32=any(isinstance(x, RMSNorm) for x in first.modules()))
     return sizes
