@@ -95,7 +95,7 @@ def recorded_candidate(row: dict):
         dims = {d: int(keys.get(f"layout.{n}.{d}", 1)) for d in ("tp", "cp", "pp", "dp", "ep")}
         layouts[n] = ModuleLayout(**dims, start=start)
     return Candidate(int(keys["layout.world_size"]), layouts, int(keys["train.microbatches"]),
-                     int(keys["data.tokens_per_microbatch"]))
+                     int(keys["data.tokens_per_microbatch"]), keys.get("train.activation_checkpointing", ""))
 
 
 def summarise(path: str, calibration: str | None, per_gpu: int, attention_of_defaults: bool = False) -> list[dict]:
@@ -193,7 +193,8 @@ def main() -> None:
         row = {"bench": "plan_validate_gpu", "workload": args.workload or "2b", "gpus": args.gpus,
                "rank_predicted": i + 1,
                "layout": " | ".join(f"{n} {c.describe(n)}" for n in c.layouts) + f" M{c.microbatches}"
-                         + (f" T{c.tokens_per_microbatch}" if c.tokens_per_microbatch else ""),
+                         + (f" T{c.tokens_per_microbatch}" if c.tokens_per_microbatch else "")
+                         + (f" AC {c.activation_checkpointing}" if c.activation_checkpointing not in ("", "none") else ""),
                "calibration": args.calibration or "H200 defaults", "predicted_step_s": e.step_s,
                "predicted_tokens_per_s_per_gpu": e.tokens_per_s / args.gpus,
                "predicted_memory_gib": e.memory_bytes / 2**30,

@@ -15,7 +15,8 @@ from loom.plan_search.cost import (ModuleLayout, ModuleSizes, Settings, Workload
                                    collective_s, fsdp_bytes, module_costs, pipeline_bubble)
 from loom.plan_search.estimate import estimate
 from loom.plan_search.report import chosen_config_text
-from loom.plan_search.search import GIB, MEMORY_HEADROOM, enumerate_candidates, search, validate
+from loom.plan_search.search import (GIB, MEMORY_HEADROOM, checkpointing_modes, enumerate_candidates, search,
+                                     validate)
 from loom.plan_search.workload import JobFacts, module_sizes
 from loom.topology import Topology
 from loom.train.job_data import job_tokenizer, with_vocabulary
@@ -134,15 +135,37 @@ def test_memory_filter(tiny):
     assert any(r.estimate.memory_bytes > fits * GIB for r in bare.ranked)
 
 
+def test_recomputing_is_searched_where_memory_asks_for_it(tiny):
+    """Activation checkpointing is a searched choice: with memory to spare the fastest layouts recompute nothing
+    (a forward more costs time); under a limit that no layout meets without recomputing, the search proposes
+    layouts that recompute, where it would otherwise propose none."""
+    cfg, facts = tiny
+    free = search(CONFIG, [], cfg, facts, 4, cpu_calibration(), top=10_000)
+    modes = {r.candidate.activation_checkpointing for r in free.ranked}
+    assert modes == {"none", "selective", "full"}  # the default job does not compile: selective is allowed
+    assert free.ranked[0].candidate.activation_checkpointing == "none"
+    least = {m: min(r.estimate.memory_bytes for r in free.ranked if r.candidate.activation_checkpointing == m)
+             for m in modes}
+    assert least["full"] < least["none"]
+    limit = (least["full"] + least["none"]) / 2 / GIB / (1 - MEMORY_HEADROOM)
+    capped = search(CONFIG, [], cfg, facts, 4, cpu_calibration(), gpu_memory_gib=limit, top=10)
+    assert capped.ranked and all(r.candidate.activation_checkpointing != "none" for r in capped.ranked)
+    compiled = load_config(CONFIG, ["--train.compile=true"])
+    assert {c.activation_checkpointing for c in enumerate_candidates(
+        ["language"], 1, [0], 0, (1,), checkpointing_modes(compiled))} == {"none", "full"}  # loom refuses selective
+
+
 def test_written_config_loads_with_the_chosen_layout(tiny, tmp_path):
     cfg, facts = tiny
     best = search(CONFIG, ["--train.steps=7"], cfg, facts, 4, cpu_calibration(), top=1).ranked[0].candidate
-    c = replace(best, microbatches=2, tokens_per_microbatch=1024)  # keys differing from default.toml's
+    # keys differing from default.toml's
+    c = replace(best, microbatches=2, tokens_per_microbatch=1024, activation_checkpointing="full")
     path = tmp_path / "chosen.toml"
     path.write_text(chosen_config_text(CONFIG, ["--train.steps=7"], c, cfg))
     loaded = load_config(path)  # its own layout.world_size
     assert loaded.layout.world_size == 4 and loaded.train.steps == 7
     assert (loaded.train.microbatches, loaded.data.tokens_per_microbatch) == (2, 1024)
+    assert loaded.train.activation_checkpointing == "full"
     assert loaded.train.global_batch_size == cfg.train.global_batch_size  # the original's keys kept
     topo = Topology.plan(loaded, 4)
     for name, lay in c.layouts.items():

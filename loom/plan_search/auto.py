@@ -73,7 +73,8 @@ def _describe(r: Ranked, modules: list[str]) -> str:
     c, e = r.candidate, r.estimate
     layouts = ", ".join(f"{n} {c.describe(n)}" for n in modules)
     placement = "colocated" if c.colocated else "non-colocated"
-    return (f"{placement}: {layouts}; M {c.microbatches}, T {c.tokens_per_microbatch or '—'}: "
+    recompute = f", recompute {c.activation_checkpointing}" if c.activation_checkpointing not in ("", "none") else ""
+    return (f"{placement}: {layouts}; M {c.microbatches}, T {c.tokens_per_microbatch or '—'}{recompute}: "
             f"{e.tokens_per_s:,.0f} tokens/s predicted, {e.step_s * 1e3:.1f} ms a step, "
             f"{e.memory_bytes / GIB:.2f} GiB per GPU")
 
