@@ -11,7 +11,7 @@ measured step time, and the Spearman rank correlation of the two (issue 34's tar
 
 The search runs as `loom plan --search` does (search.py: priced, then accepted by loom's own checks, best first),
 on mm_bench's config and on the samples mm_bench trains on at the measured steps. On one GPU only M and T vary
-(no placement, no split; activation checkpointing and compile are the config's, not searched). Each proposed
+(no placement, no split; activation checkpointing searched, compile the config's). Each proposed
 layout is then one `torchrun --nproc-per-node=N bench/mm_bench.py --set …` with the layout's overrides (a
 process per row, as run_mm.sh does): one JSON line per layout, then the Spearman. Eager bf16 (compile off, as
 mm_bench's default config); each row is a start-up plus `--warmup` + `--steps` steps.
@@ -194,7 +194,8 @@ def main() -> None:
                "rank_predicted": i + 1,
                "layout": " | ".join(f"{n} {c.describe(n)}" for n in c.layouts) + f" M{c.microbatches}"
                          + (f" T{c.tokens_per_microbatch}" if c.tokens_per_microbatch else "")
-                         + (f" AC {c.activation_checkpointing}" if c.activation_checkpointing not in ("", "none") else ""),
+                         + (f" AC {c.activation_checkpointing}" if c.activation_checkpointing not in ("", "none")
+                            else ""),
                "calibration": args.calibration or "H200 defaults", "predicted_step_s": e.step_s,
                "predicted_tokens_per_s_per_gpu": e.tokens_per_s / args.gpus,
                "predicted_memory_gib": e.memory_bytes / 2**30,

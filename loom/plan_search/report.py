@@ -29,7 +29,8 @@ def ranking_table(result: SearchResult, modules: list[str], world: int) -> Table
         terms = sorted(((k, v) for k, v in e.seconds.items() if v > 0), key=lambda kv: -kv[1])[:3]
         table.add_row(str(i), "colocated" if c.colocated else "non-colocated",
                       *(c.describe(n) for n in modules), str(c.microbatches),
-                      str(c.tokens_per_microbatch or "—"), c.activation_checkpointing or "—", f"{e.tokens_per_s:,.0f}", f"{e.step_s * 1e3:.1f}",
+                      str(c.tokens_per_microbatch or "—"), c.activation_checkpointing or "—",
+                      f"{e.tokens_per_s:,.0f}", f"{e.step_s * 1e3:.1f}",
                       f"{e.memory_bytes / GIB:.2f}", f"{e.bubble:.0%}",
                       " ".join(f"{k} {v * 1e3:.1f}" for k, v in terms))
     return table
@@ -63,8 +64,8 @@ def chosen_config_text(config: str | None, overrides: list[str], c: Candidate, c
     if d.sources:
         data.setdefault("data", {})["sources"] = [{"path": s.path, "weight": s.weight} for s in d.sources]
     head = (f"# written by `loom plan --search` from {config or 'loom/default.toml'}: the original config with the "
-            f"chosen layout,\n# train.microbatches, data.tokens_per_microbatch and train.activation_checkpointing (input "
-            f"paths made absolute).\n")
+            f"chosen layout,\n# train.microbatches, data.tokens_per_microbatch and train.activation_checkpointing "
+            f"(input paths made absolute).\n")
     return head + to_toml(data)
 
 

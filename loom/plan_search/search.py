@@ -57,7 +57,8 @@ class Candidate:
             out.append(f'--layout.{name}.ranks="{lay.start}-{last}"')
             if name == "language":
                 out.append(f"--layout.language.ep={lay.ep}")
-        out += [f"--train.microbatches={self.microbatches}", f"--data.tokens_per_microbatch={self.tokens_per_microbatch}"]
+        out += [f"--train.microbatches={self.microbatches}",
+                f"--data.tokens_per_microbatch={self.tokens_per_microbatch}"]
         return out + ([f"--train.activation_checkpointing={self.activation_checkpointing}"]
                       if self.activation_checkpointing else [])
 
