@@ -6,7 +6,8 @@ A shape depends only on the item's index (the dataset is seeded), never on the s
 `measured_table` splits the items over the ranks as the prescan splits a user's lines (train/prescan.py): each
 measures every world-th item, one all_gather_object over a gloo group combines them, so start-up costs
 data.train_size / world measurements a rank. On one process the table fills as steps draw items (the same
-measurements, spread over the first epoch).
+measurements, spread over the first epoch). A user's lines are measured by the prescan, which leaves every line's
+shapes on every rank: `known_table` fills their table at load, each rank alone, no collective.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from loom.data.shape_columns import ShapeColumns
 from loom.data.shapes import SampleShape
 
 Measure = Callable[[int], tuple[SampleShape, ...]]  # item index → its shapes, one per sequence
+KNOWN_CHUNK = 65_536  # items put at once by `known_table`
 
 
 class ShapeTable:
@@ -35,6 +37,7 @@ class ShapeTable:
         self.tokens, self.targets = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self.counts = {e: np.zeros(n, np.int64) for e in self.encoders}  # items per sequence
         self.rows = {e: np.zeros((n, 1), np.int64) for e in self.encoders}  # their rows, padded to the most items
+        self.tower: dict[str, np.ndarray] | None = None  # their tower rows as `rows`, once any differ (anyres tiles)
         # per sequence, what the step's totals read (`columns`), side by side so one gather takes them all; built at
         # the first `columns` after a `put` (only a rank that plans cells reads them: 72 bytes a sequence)
         self.numbers: np.ndarray | None = None
@@ -50,18 +53,14 @@ class ShapeTable:
         self.tokens[seqs], self.targets[seqs] = shapes.tokens, shapes.targets
         codes = np.array([self.fields.setdefault(f, len(self.fields)) for f in shapes.fields], np.int64)
         self.field_set[seqs] = codes[shapes.field_set] if len(codes) else 0
+        if shapes.tower and self.tower is None:  # the first tower rows that differ: the rest so far are `rows`
+            self.tower = {e: r.copy() for e, r in self.rows.items()}
         for e in self.encoders:
             counts = np.diff(shapes.offsets[e])
-            most = int(counts.max(initial=0))
-            if most > self.rows[e].shape[1]:  # more items to a sample than any before: widen
-                wider = np.zeros((len(self.tokens), most), np.int64)
-                wider[:, :self.rows[e].shape[1]] = self.rows[e]
-                self.rows[e] = wider
             self.counts[e][seqs] = counts
-            self.rows[e][seqs] = 0
-            # each item's cell: its sample's row, its rank among that sample's items
-            column = np.arange(len(shapes.rows[e])) - np.repeat(shapes.offsets[e][:-1], counts)
-            self.rows[e][np.repeat(seqs, counts), column] = shapes.rows[e]
+            self.rows[e] = _placed(self.rows[e], seqs, counts, shapes.offsets[e], shapes.rows[e])
+            if self.tower is not None:
+                self.tower[e] = _placed(self.tower[e], seqs, counts, shapes.offsets[e], shapes.tower_of(e))
         self.numbers = None
         self.known[items] = True
         self.complete = bool(self.known.all())  # every item measured (a world's start-up): no check per lookup
@@ -73,14 +72,18 @@ class ShapeTable:
     def shapes(self, indices: np.ndarray, measure: bool = True) -> tuple[ShapeArrays, np.ndarray]:
         """The sequences of items `indices` (a pair's two side by side) as arrays, and each one's item index."""
         indices, seqs = self._sequences(indices, measure)
-        offsets, rows = {}, {}
+        offsets, rows, tower = {}, {}, {}
         for e in self.encoders:
             counts = self.counts[e][seqs]
             offsets[e] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             table = self.rows[e][seqs]
             rows[e] = table[np.arange(table.shape[1]) < counts[:, None]]  # row-major: sample after sample
+            if self.tower is not None:
+                table = self.tower[e][seqs]
+                tower[e] = table[np.arange(table.shape[1]) < counts[:, None]]
         fields = tuple(self.fields)
-        return (ShapeArrays(self.tokens[seqs], self.targets[seqs], offsets, rows, fields, self.field_set[seqs]),
+        return (ShapeArrays(self.tokens[seqs], self.targets[seqs], offsets, rows, fields, self.field_set[seqs],
+                            tower=tower or None),
                 seqs if self.sequences == 1 else np.repeat(indices, self.sequences))
 
     def columns(self, indices: np.ndarray) -> tuple[ShapeColumns, np.ndarray]:
@@ -112,6 +115,32 @@ class ShapeTable:
         """Every world-th item from `rank`, measured: this rank's part of the start-up's measuring."""
         items = np.arange(rank, self.size, world, dtype=np.int64)
         return items, self.measured(items.tolist())
+
+
+def _placed(table: np.ndarray, seqs: np.ndarray, counts: np.ndarray, offsets: np.ndarray, values: np.ndarray
+            ) -> np.ndarray:
+    """`table` (a row per sequence, its items' values padded with zeros) with sequences `seqs`' items set to
+    `values` (sample after sample, `offsets` into them), widened when a sequence has more items than it holds."""
+    most = int(counts.max(initial=0))
+    if most > table.shape[1]:  # more items to a sample than any before: widen
+        wider = np.zeros((len(table), most), np.int64)
+        wider[:, :table.shape[1]] = table
+        table = wider
+    table[seqs] = 0
+    # each item's cell: its sample's row, its rank among that sample's items
+    column = np.arange(len(values)) - np.repeat(offsets[:-1], counts)
+    table[np.repeat(seqs, counts), column] = values
+    return table
+
+
+def known_table(size: int, sequences: int, encoders: Sequence[str], measure: Measure) -> ShapeTable:
+    """A table of `size` items whose shapes every rank already holds (a user's lines, prescanned): filled now from
+    `measure` on this rank alone, no collective."""
+    table = ShapeTable(size, sequences, encoders, measure)
+    for start in range(0, size, KNOWN_CHUNK):  # in chunks: no list of every line's shape objects at once
+        items = np.arange(start, min(start + KNOWN_CHUNK, size), dtype=np.int64)
+        table.put(items, table.measured(items.tolist()))
+    return table
 
 
 def measured_table(size: int, sequences: int, encoders: Sequence[str], measure: Measure) -> ShapeTable:

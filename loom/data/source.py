@@ -79,6 +79,7 @@ class ConversationSamples:
                  ) -> None:
         self.files, self.positions, self.rules, self.counters = files, positions, rules, counters
         self.measured = measured
+        self.table: ShapeTable | None = None  # every position's shapes, from `measured` (train/job_data.py sets it)
 
     @staticmethod
     def mixture(files: list[ConversationFile], weights: list[float], rules: ChatRules,

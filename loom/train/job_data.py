@@ -24,7 +24,7 @@ from loom.data.conversations import BadSample
 from loom.data.format import TokenCounter, to_sample
 from loom.data.images import ImageRule, PreprocessorConfigError
 from loom.data.sample import Sample, SamplePair, decoded, sequences_of
-from loom.data.shape_table import measured_table
+from loom.data.shape_table import known_table, measured_table
 from loom.data.source import (
     BadSamples,
     ChatRules,
@@ -111,6 +111,8 @@ def build_job_data(cfg: JobConfig, tok: Vocabulary, counters: dict[str, TokenCou
         files, held = split_off(files, weights, d.heldout_size)
     train = ConversationSamples.mixture(files, weights, rules, counters, measured)
     per_item = cfg.train.sequences_per_item
+    # the prescan's shapes are on every rank already: the table is filled here, so a step looks its cells up
+    train.table = known_table(len(train), per_item, list(counters), train.shape)
     if cfg.train.global_batch_size > per_item * len(train):
         raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} exceeds the {len(train)} "
                           f"training conversations of data.sources" + (" (two sequences each)" if per_item > 1 else ""))

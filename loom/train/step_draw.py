@@ -1,13 +1,16 @@
 """Global batch s as a rank plans it: the shapes of its planning cells' samples (train/plan_cells.py; nothing
 rendered) and the totals of the whole batch (train/step_totals.py).
 
-From a dataset's shape table (data/shape_table.py) a rank looks up only its cells' items, and the whole batch's
-totals as one number per sequence: both in numpy, no Python per sample of the rest of the batch. A dataset without a
-table (a user's prescanned lines) measures the whole batch's shapes per step, as before — an item found bad there
-must be found by every rank alike — and its cells are cut from them. The rules that leave samples out are the same
-either way: dropped items and items found bad are gone from their cell, and a too-long item (data.too_long =
-"skip") is skipped by its own length, so every rank counts the same skips, and the one-process reference, drawing
-the whole batch as one cell, trains on the same samples.
+From a dataset's shape table (data/shape_table.py: the built-in tasks', or a user's filled from the prescan's
+shapes) a rank looks up only its cells' items, and the whole batch's totals as one number per sequence: both in
+numpy, no Python per sample of the rest of the batch. A dataset without a table (a benchmark's synthetic steps)
+measures the whole batch's shapes per step — an item found bad there must be found by every rank alike — and its
+cells are cut from them. A user's line is never found bad when drawn (the prescan's problems are out of the
+mixture); one found bad when rendered is dropped on every rank alike (train/step_data.py `agreed`), and dropped
+items are left out of either draw. The rules that leave samples out are the same either way: dropped items and
+items found bad are gone from their cell, and a too-long item (data.too_long = "skip") is skipped by its own length,
+so every rank counts the same skips, and the one-process reference, drawing the whole batch as one cell, trains on
+the same samples.
 """
 
 from __future__ import annotations
