@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loom.config import JobConfig
 from loom.data.bins import DoesNotFit, assign_bins
@@ -120,9 +120,10 @@ def token_budgets(facts: JobFacts, given: int) -> list[int]:
 
 
 def checkpointing_modes(cfg: JobConfig) -> tuple[str, ...]:
-    """What the search tries: none and full (whole blocks recomputed: a forward more, a block's input kept), and
-    selective where the job does not compile (loom refuses it with compile). A layout that fits only by
-    recomputing is then found, not refused over memory (a 32K-token sample on one H200: 125 GiB without, 46 with)."""
+    """What the search tries, in this order for a layout that does not fit without: none, selective where the job
+    does not compile (loom refuses it with compile), full (whole blocks recomputed: a forward more, a block's input
+    kept). A layout that fits only by recomputing is then found, not refused over memory (a 32K-token sample on one
+    H200: 125 GiB without, 46 with)."""
     return ("none", "full") if cfg.train.compile else ("none", "selective", "full")
 
 
@@ -186,12 +187,18 @@ def search(config: str | None, overrides: list[str], base: JobConfig, facts: Job
     modules = [*base.model.encoders, "language"]
     budgets = token_budgets(facts, base.data.tokens_per_microbatch)
     experts = base.model.language.num_experts
+    limit = (1 - headroom) * gpu_memory_gib * GIB if gpu_memory_gib else float("inf")
+    modes = checkpointing_modes(base)
     priced = []
-    for c in enumerate_candidates(modules, world, budgets, experts, microbatches, checkpointing_modes(base)):
-        priced.append(Ranked(c, estimate_steps(facts.sizes, c.layouts, settings_of(base, c), facts.steps, cal)))
+    for c in enumerate_candidates(modules, world, budgets, experts, microbatches, modes[:1]):
+        # recomputing only costs time where a layout fits without it: the next mode only for one that does not
+        for mode in modes:
+            c = replace(c, activation_checkpointing=mode)
+            priced.append(Ranked(c, estimate_steps(facts.sizes, c.layouts, settings_of(base, c), facts.steps, cal)))
+            if priced[-1].estimate.memory_bytes <= limit:
+                break
     priced.sort(key=lambda r: -r.estimate.tokens_per_s)
     result = SearchResult([], enumerated=len(priced))
-    limit = (1 - headroom) * gpu_memory_gib * GIB if gpu_memory_gib else float("inf")
     for r in priced:
         if r.estimate.memory_bytes > limit:
             result.over_memory += 1
