@@ -14,6 +14,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loom.data.spans import LONG_SAMPLE, TokenSpans
 
@@ -152,8 +153,6 @@ def _dense_first_cudnn(q, k, v, causal: bool) -> torch.Tensor:
     tokens padded at the end to a multiple of LONG_SAMPLE_MULTIPLE: cuDNN builds an execution plan per shape
     (~0.15 s of host each, against 2–6 ms a call), so sample lengths share a few shapes over a run. Exact for the
     real tokens: under a causal mask no query reads a key after it."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     n = q.shape[0]
     q, k, v = (F.pad(t, (0, 0, 0, 0, 0, -n % LONG_SAMPLE_MULTIPLE)) for t in (q, k, v))
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
